@@ -1,0 +1,1 @@
+"""Atom: train models larger than your GPU on the machines you have."""

@@ -1,0 +1,1 @@
+"""The command line: `atomtrain train / sample / data / plan / profile / bench`."""

@@ -1,0 +1,48 @@
+"""`atomtrain`: the command line. Each subcommand lives in its own module and registers itself."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from atomtrain.errors import AtomError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from atomtrain.cli import bench_cmd, data_cmd, plan_cmd, sample_cmd, train_cmd
+
+    parser = argparse.ArgumentParser(
+        prog="atomtrain",
+        description="Train models larger than your GPU, on the machines you have.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (train_cmd, sample_cmd, data_cmd, plan_cmd, bench_cmd):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(args.func(args, extra) or 0)
+    except AtomError as e:
+        print(f"atomtrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("atomtrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""`atomtrain train`: with no arguments, trains the `small` GPT on the Python standard library."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from atomtrain.config import RunConfig, load_run_config
+from atomtrain.errors import AtomError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model (default: `small` on the stdlib corpus)",
+        description="Train a model. Settings come from --config run.toml and overrides such as "
+        "--train.steps=200 --model.preset=tiny --data.source=corpus.txt.",
+    )
+    p.add_argument("--config", help="TOML file with [run], [model], [data], [train], [optim]")
+    p.add_argument("--resume", type=Path, help="continue a run directory or a checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    p.add_argument("--name", help="run name (same as --run.name)")
+    p.add_argument("--no-sample", action="store_true", help="skip the text sample at the end")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
+    from atomtrain.train.session import resolve_resume, saved_config
+
+    if args.name:
+        overrides = [*overrides, f"--run.name={args.name}"]
+    base = None
+    if args.resume is not None:
+        if not args.resume.exists():
+            raise AtomError(f"--resume {args.resume} does not exist")
+        base = saved_config(resolve_resume(args.resume)[0])
+    return load_run_config(RunConfig, args.config, overrides, base)
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from atomtrain.cli.progress import ProgressBar
+    from atomtrain.cli.sample_cmd import sample_text
+    from atomtrain.train.metrics import plot_losses
+    from atomtrain.train.session import open_session
+
+    cfg = resolve_config(args, overrides)
+    session = open_session(cfg, resume=args.resume, overwrite=args.overwrite)
+    trainer = session.trainer
+    if session.resumed_from:
+        print(f"resuming {session.run_dir} from {session.resumed_from.name}", file=sys.stderr)
+    bar = None if args.quiet else ProgressBar(cfg.train.steps, trainer.state.step, "train")
+    trainer.on_step = bar.update if bar else None
+    previous = signal.signal(signal.SIGINT, lambda *_: trainer.stop.set())
+    try:
+        trainer.fit()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if bar:
+            bar.close()
+        trainer.loader.close()
+        trainer.runner.close()
+    plot = plot_losses(
+        session.run_dir / "metrics.jsonl",
+        session.run_dir / "loss.png",
+        title=f"{cfg.model.preset} on {cfg.data.source}",
+    )
+    val = trainer.evaluate()
+    first = _first_val_loss(session.run_dir)
+    print(
+        f"validation loss: {first:.3f} -> {val:.3f}"
+        if first is not None
+        else f"validation loss: {val:.3f}"
+    )
+    if not args.no_sample:
+        text = sample_text(
+            session.model,
+            session.shards.tokenizer,
+            prompt="def ",
+            max_new_tokens=200,
+            temperature=0.8,
+            top_k=40,
+        )
+        print("sample:\n" + text)
+    print(f"checkpoint: {trainer.save()}")
+    print(f"loss plot: {plot}")
+    if trainer.stop.is_set():
+        print("stopped early; continue with: atomtrain train --resume " + str(session.run_dir))
+        return 130
+    return 0
+
+
+def _first_val_loss(run_dir: Path) -> float | None:
+    from atomtrain.train.metrics import read_metrics
+
+    vals = [r["val_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    return vals[0] if vals else None

@@ -1,0 +1,192 @@
+"""The run configuration: it only combines each component's own config.
+
+Values come from defaults, then a TOML file (`--config run.toml`), then command-line overrides
+(`--train.lr=1e-3`). Every value is checked against its field's type, and components validate their
+own ranges; a bad one raises AtomError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from atomtrain.errors import AtomError
+from atomtrain.optim import AdamWConfig
+from atomtrain.train.config import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """Where a run writes and what it runs on."""
+
+    name: str = ""
+    """Run name; its files go to `<out_dir>/<name>/` (default: the model preset and a timestamp)."""
+    out_dir: str = "runs"
+    """Parent directory of run directories."""
+    device: str = "auto"
+    """`auto` (CUDA when present), `cpu` or `cuda`."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model: a named preset, optionally reshaped."""
+
+    preset: str = "small"
+    """One of atomtrain.models.PRESETS."""
+    n_layer: int = 0
+    """Blocks (0: the preset's)."""
+    n_embd: int = 0
+    """Width (0: the preset's)."""
+    n_head: int = 0
+    """Heads (0: the preset's)."""
+    dropout: float = 0.0
+    """Dropout probability."""
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Where tokens come from and how they are batched."""
+
+    source: str = "stdlib"
+    """A text file, directory, glob, or `stdlib` (the Python standard library's source)."""
+    prepared: str = ""
+    """A directory made by `atomtrain data prepare` (default: a cache keyed by source)."""
+    tokenizer: str = "byte"
+    """`byte` or `bpe`, when the data is prepared on the fly."""
+    rows: int = 16
+    """Sequences per optimizer step."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    seed: int = 0
+    """Seed of the window draw."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: AdamWConfig = field(default_factory=AdamWConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _convert(value: Any, typ: Any, where: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        last: AtomError | None = None
+        for option in typing.get_args(typ):
+            if option is type(None):
+                if value is None or value in ("", "none", "None"):
+                    return None
+                continue
+            try:
+                return _convert(value, option, where)
+            except AtomError as e:
+                last = e
+        raise last or AtomError(f"{where}: invalid value {value!r}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise AtomError(f"{where} expects true or false, got {value!r}")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise AtomError(f"{where} expects a number, got {value!r}")
+        try:
+            out = typ(value)
+        except (TypeError, ValueError):
+            raise AtomError(f"{where} expects {typ.__name__}, got {value!r}") from None
+        if typ is int and isinstance(value, float) and value != out:
+            raise AtomError(f"{where} expects an integer, got {value!r}")
+        return out
+    if typ is str:
+        if not isinstance(value, str | int | float):
+            raise AtomError(f"{where} expects a string, got {value!r}")
+        return str(value)
+    raise AtomError(f"{where}: unsupported field type {typ}")
+
+
+def build(cls: type, values: dict[str, Any], where: str = "") -> Any:
+    """An instance of dataclass `cls` from nested `values`, checked field by field."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            known = ", ".join(sorted(names))
+            raise AtomError(f"unknown setting {where}{key}; known here: {known}")
+    kwargs = {}
+    for name in names & set(values):
+        typ = hints[name]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(values[name], dict):
+                raise AtomError(f"{where}{name} must be a section")
+            kwargs[name] = build(typ, values[name], f"{where}{name}.")  # type: ignore[arg-type]
+        else:
+            kwargs[name] = _convert(values[name], typ, f"{where}{name}")
+    return cls(**kwargs)
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`--section.field=value` (or `--section.field value`) pairs as a nested dict."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise AtomError(f"unrecognized argument {arg!r} (overrides look like --train.lr=1e-3)")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise AtomError(f"--{key} needs a value")
+            value = args[i + 1]
+            i += 1
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+        i += 1
+    return out
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_run_config(
+    cls: type = RunConfig,
+    path: str | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> Any:
+    """Defaults, then `base` (e.g. a resumed run's config), the TOML file, then overrides."""
+    values: dict[str, Any] = dict(base or {})
+    if path:
+        try:
+            values = merge(values, tomllib.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise AtomError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise AtomError(f"config file {path} is not valid TOML: {e}") from None
+    values = merge(values, parse_overrides(overrides or []))
+    try:
+        return build(cls, values)
+    except TypeError as e:  # a component's constructor rejected the combination
+        raise AtomError(str(e)) from None

@@ -1,0 +1,1 @@
+"""Training: the loop, its runners, checkpoints and metrics."""

@@ -1,0 +1,66 @@
+"""The trainer's own settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atomtrain.errors import AtomError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimization and bookkeeping of one training run."""
+
+    steps: int = 600
+    """Optimizer steps to run in total."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 30
+    """Linear warmup from 0 to `lr`."""
+    micro_batch_rows: int = 16
+    """Sequences per forward/backward pass; `data.rows` must be a multiple (accumulation)."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+    eval_interval: int = 100
+    """Steps between validation losses (the last step is always evaluated)."""
+    eval_batches: int = 4
+    """Validation batches averaged for each validation loss."""
+    checkpoint_interval: int = 200
+    """Steps between checkpoints (the last step always writes one)."""
+    keep_checkpoints: int = 2
+    """Most recent checkpoints kept on disk."""
+    seed: int = 0
+    """Seed of the initial weights and of dropout."""
+
+    def __post_init__(self) -> None:
+        positive = (
+            "steps",
+            "micro_batch_rows",
+            "eval_interval",
+            "eval_batches",
+            "checkpoint_interval",
+            "keep_checkpoints",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise AtomError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise AtomError(
+                f"train.lr must be positive and train.min_lr in [0, lr], "
+                f"got lr={self.lr}, min_lr={self.min_lr}"
+            )
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise AtomError("train.warmup_steps and train.grad_clip must not be negative")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay from `lr` to `min_lr` at `steps`."""
+    import math
+
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(cfg.steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)

@@ -1,0 +1,184 @@
+"""Assembles a run from a RunConfig: data, model, runner, trainer, run directory, resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from atomtrain.config import DataSection, ModelSection, RunConfig
+from atomtrain.data import (
+    LoaderConfig,
+    PrepareConfig,
+    TokenShards,
+    TrainLoader,
+    WindowSampler,
+    prepare,
+    validation_batches,
+)
+from atomtrain.errors import AtomError
+from atomtrain.models import GPT, GPTConfig
+from atomtrain.optim import AdamW
+from atomtrain.train.checkpoint import (
+    check_matches,
+    latest_checkpoint,
+    load_checkpoint,
+)
+from atomtrain.train.metrics import MetricsLog
+from atomtrain.train.runner import PlainRunner, StepRunner
+from atomtrain.train.trainer import Trainer, TrainState
+
+RunnerFactory = Callable[[nn.Module, AdamW, RunConfig, torch.device], StepRunner]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise AtomError("run.device is 'cuda' but no CUDA device is available")
+    if name not in ("cpu", "cuda"):
+        raise AtomError(f"run.device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ATOM_CACHE_DIR", Path.home() / ".cache" / "atomtrain"))
+
+
+def prepared_data(cfg: DataSection) -> TokenShards:
+    """The prepared shards the config names, preparing (once, cached) when it names a source."""
+    if cfg.prepared:
+        return TokenShards.open(cfg.prepared)
+    where = "" if cfg.source == "stdlib" else str(Path(cfg.source).resolve())
+    key = f"{cfg.source}|{cfg.tokenizer}|{where}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    label = "stdlib" if cfg.source == "stdlib" else Path(cfg.source).name or "data"
+    root = cache_dir() / "data" / f"{label}-{cfg.tokenizer}-{digest}"
+    if not (root / "manifest.json").exists():
+        prepare(cfg.source, root, PrepareConfig(tokenizer=cfg.tokenizer), overwrite=True)
+    return TokenShards.open(root)
+
+
+def model_config(cfg: ModelSection, vocab_size: int, seq_len: int) -> GPTConfig:
+    base = GPTConfig.from_name(cfg.preset)
+    shape = {k: getattr(cfg, k) for k in ("n_layer", "n_embd", "n_head") if getattr(cfg, k)}
+    mc = GPTConfig.from_name(
+        cfg.preset, dropout=cfg.dropout, vocab_size=max(base.vocab_size, vocab_size), **shape
+    )
+    if seq_len > mc.block_size:
+        raise AtomError(f"data.seq_len ({seq_len}) exceeds the model's context ({mc.block_size})")
+    return mc
+
+
+def build_model(mc: GPTConfig, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(mc)
+
+
+def plain_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.device) -> StepRunner:
+    model.to(device)
+    return PlainRunner(model, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip, device)
+
+
+@dataclass
+class Session:
+    cfg: RunConfig
+    run_dir: Path
+    model: GPT
+    shards: TokenShards
+    trainer: Trainer
+    resumed_from: Path | None
+
+
+def new_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
+    name = cfg.run.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.run.out_dir) / name
+    if run_dir.exists():
+        if not overwrite:
+            raise AtomError(
+                f"run directory {run_dir} already exists; pass --overwrite to replace "
+                f"it or --resume {run_dir} to continue it"
+            )
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def resolve_resume(path: Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint) from either a run directory or a checkpoint directory."""
+    if (path / "manifest.json").exists():
+        return path.parent.parent, path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise AtomError(f"{path} holds no checkpoint to resume from")
+    return path, ckpt
+
+
+def saved_config(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise AtomError(f"{run_dir}/config.json is missing or unreadable") from e
+
+
+def open_session(
+    cfg: RunConfig,
+    resume: Path | None = None,
+    overwrite: bool = False,
+    runner_factory: RunnerFactory = plain_runner,
+) -> Session:
+    """Everything a run needs, ready for `session.trainer.fit()`."""
+    device = resolve_device(cfg.run.device)
+    shards = prepared_data(cfg.data)
+    mc = model_config(cfg.model, shards.vocab_size, cfg.data.seq_len)
+    if cfg.data.rows % cfg.train.micro_batch_rows:
+        raise AtomError(
+            f"data.rows ({cfg.data.rows}) must be a multiple of "
+            f"train.micro_batch_rows ({cfg.train.micro_batch_rows})"
+        )
+    ckpt = None
+    if resume is not None:
+        run_dir, ckpt_path = resolve_resume(resume)
+        ckpt = load_checkpoint(ckpt_path)  # verified before anything is touched
+    else:
+        run_dir = new_run_dir(cfg, overwrite)
+    model = build_model(mc, cfg.train.seed)
+    params = dict(model.named_parameters())
+    opt = AdamW(params, cfg.optim)
+    sampler = WindowSampler(
+        shards, LoaderConfig(rows=cfg.data.rows, seq_len=cfg.data.seq_len, seed=cfg.data.seed)
+    )
+    loader = TrainLoader(sampler)
+    state = TrainState()
+    if ckpt is not None:
+        check_matches(ckpt, params)
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(ckpt.params[name])
+        opt.load_state_dict(ckpt.optimizer)
+        loader.load_state_dict(ckpt.state["loader"])
+        if ckpt.rng_state is not None:
+            torch.set_rng_state(ckpt.rng_state)
+        state = TrainState(step=int(ckpt.state["step"]), tokens=int(ckpt.state["tokens"]))
+        MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    (run_dir / "tokenizer.json").write_text(json.dumps(shards.manifest["tokenizer"]))
+    runner = runner_factory(model, opt, cfg, device)
+    trainer = Trainer(
+        runner=runner,
+        loader=loader,
+        val_batches=validation_batches(sampler, cfg.train.eval_batches),
+        cfg=cfg.train,
+        run_dir=run_dir,
+        state=state,
+        checkpoint_extra={"model": mc.__dict__, "preset": cfg.model.preset},
+    )
+    return Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)

@@ -1,0 +1,113 @@
+"""The training loop. It knows nothing about GPT, devices or swapping: it drives a StepRunner."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atomtrain.data.loader import TrainLoader
+from atomtrain.train.checkpoint import checkpoint_name, prune_checkpoints, save_checkpoint
+from atomtrain.train.config import TrainConfig, lr_at
+from atomtrain.train.metrics import MetricsLog
+from atomtrain.train.runner import StepRunner
+
+log = logging.getLogger(__name__)
+
+StepHook = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps completed."""
+    tokens: int = 0
+    """Training tokens consumed."""
+
+
+@dataclass
+class Trainer:
+    runner: StepRunner
+    loader: TrainLoader
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    cfg: TrainConfig
+    run_dir: Path
+    checkpoint_extra: dict[str, Any] = field(default_factory=dict)
+    """Added to every checkpoint's state.json (the run config, the model shape)."""
+    on_step: StepHook | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set it (e.g. from a signal handler) to end after the current step with a checkpoint."""
+    state: TrainState = field(default_factory=TrainState)
+    after_step: Callable[[TrainState], None] | None = None
+    """Called after each optimizer step (the peer runtime hooks its rounds in here)."""
+
+    def __post_init__(self) -> None:
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+
+    def evaluate(self) -> float:
+        losses = [self.runner.eval_loss(x, y) for x, y in self.val_batches]
+        return sum(losses) / max(len(losses), 1)
+
+    def fit(self) -> TrainState:
+        """Train from `state.step` to `cfg.steps`, or until `stop` is set."""
+        start_time = time.perf_counter()
+        start_tokens = self.state.tokens
+        if self.state.step == 0:
+            self._log_eval()
+        while self.state.step < self.cfg.steps and not self.stop.is_set():
+            record = self._one_step()
+            elapsed = time.perf_counter() - start_time
+            record["tokens_per_s"] = (self.state.tokens - start_tokens) / max(elapsed, 1e-9)
+            record["elapsed_s"] = elapsed
+            last = self.state.step == self.cfg.steps
+            if self.state.step % self.cfg.eval_interval == 0 or last:
+                record["val_loss"] = self._log_eval(write=False)
+            self.metrics.write(record)
+            if self.on_step:
+                self.on_step(record)
+            if self.after_step:
+                self.after_step(self.state)
+            if self.state.step % self.cfg.checkpoint_interval == 0 and not last:
+                self.save()
+        self.save()
+        return self.state
+
+    def _one_step(self) -> dict[str, Any]:
+        x, y = self.loader.next_batch()
+        lr = lr_at(self.state.step, self.cfg)
+        out = self.runner.train_step(x, y, lr)
+        if not math.isfinite(out["grad_norm"]):
+            log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
+        self.state.step += 1
+        self.state.tokens += x.numel()
+        return {"step": self.state.step, "lr": lr, "tokens": self.state.tokens, **out}
+
+    def _log_eval(self, write: bool = True) -> float:
+        val = self.evaluate()
+        if write:
+            self.metrics.write({"step": self.state.step, "val_loss": val})
+        return val
+
+    def save(self) -> Path:
+        """A checkpoint of the current step (an existing one for this step is kept as it is)."""
+        path = self.run_dir / "checkpoints" / checkpoint_name(self.state.step)
+        if path.exists():
+            return path
+        state = {
+            "step": self.state.step,
+            "tokens": self.state.tokens,
+            "loader": self.loader.state_dict(),
+            **self.checkpoint_extra,
+        }
+        save_checkpoint(
+            path, self.runner.host_parameters(), self.runner.optimizer.state_dict(), state
+        )
+        prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
+        return path

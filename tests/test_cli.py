@@ -1,0 +1,96 @@
+"""The CLI end to end on `tiny`, as a user runs it: outputs, files, and one-line errors."""
+
+import json
+from pathlib import Path
+
+from .conftest import TINY, run_cli
+
+
+def assert_one_line_error(proc, *fragments: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("atomtrain: error")]
+    assert len(lines) == 1, proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def test_train_writes_a_run_and_prints_a_sample(prepared: Path, tmp_path: Path):
+    proc = run_cli(
+        "train",
+        *TINY,
+        "--train.steps=12",
+        f"--data.prepared={prepared}",
+        "--name=e2e",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    run = tmp_path / "runs" / "e2e"
+    for f in ("config.json", "metrics.jsonl", "loss.png", "tokenizer.json"):
+        assert (run / f).is_file(), f
+    assert (run / "checkpoints" / "step_000012" / "model.safetensors").is_file()
+    assert "sample:" in proc.stdout and f"loss plot: {Path('runs/e2e/loss.png')}" in proc.stdout
+    assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 12 and "tokens_per_s" in records[-1]
+
+    again = run_cli(
+        "train",
+        *TINY,
+        "--train.steps=12",
+        f"--data.prepared={prepared}",
+        "--name=e2e",
+        cwd=tmp_path,
+    )
+    assert_one_line_error(again, "runs/e2e already exists", "--overwrite")
+
+    sample = run_cli("sample", str(run), "--tokens=20", "--prompt=import ", cwd=tmp_path)
+    assert sample.returncode == 0 and sample.stdout.startswith("import ")
+
+    more = run_cli("train", "--resume", str(run), "--train.steps=15", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr
+    assert "resuming" in more.stderr
+    assert (run / "checkpoints" / "step_000015").is_dir()
+
+
+def test_bad_inputs_give_one_line_errors(prepared: Path, tmp_path: Path):
+    cases = [
+        (["train", "--model.preset=gpt5"], ["unknown model preset 'gpt5'"]),
+        (["train", "--train.lr=abc"], ["train.lr expects float"]),
+        (["train", "--data.prepared=/nonexistent"], ["/nonexistent/manifest.json is missing"]),
+        (["train", "--config=missing.toml"], ["missing.toml does not exist"]),
+        (["train", "--resume=runs/none"], ["runs/none does not exist"]),
+        (["sample", "runs/none"], ["runs/none does not exist"]),
+        (["data", "prepare", "no/such/dir", "out"], ["'no/such/dir' does not exist"]),
+        (
+            ["train", *TINY, f"--data.prepared={prepared}", "--data.seq_len=1000"],
+            ["data.seq_len (1000) exceeds"],
+        ),
+    ]
+    for args, fragments in cases:
+        assert_one_line_error(run_cli(*args, cwd=tmp_path), *fragments)
+
+
+def test_truncated_checkpoint_is_refused_and_left_alone(prepared: Path, tmp_path: Path):
+    proc = run_cli(
+        "train",
+        *TINY,
+        "--train.steps=3",
+        f"--data.prepared={prepared}",
+        "--name=t",
+        "--no-sample",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    weights = tmp_path / "runs/t/checkpoints/step_000003/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    before = weights.read_bytes()
+    resumed = run_cli("train", "--resume", "runs/t", "--train.steps=6", cwd=tmp_path)
+    assert_one_line_error(resumed, "truncated", "model.safetensors")
+    assert weights.read_bytes() == before
+
+
+def test_data_prepare_command(corpus_dir: Path, tmp_path: Path):
+    proc = run_cli("data", "prepare", str(corpus_dir), "out", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "training and" in proc.stdout and (tmp_path / "out/manifest.json").is_file()

@@ -1,0 +1,126 @@
+"""The trainer: loss falls, AdamW matches PyTorch's, a resumed run equals an uninterrupted one."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomtrain.config import load_run_config
+from atomtrain.errors import AtomError
+from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
+from atomtrain.train.metrics import read_metrics
+from atomtrain.train.session import open_session
+
+from .conftest import TINY
+
+
+def config(prepared: Path, out: Path, *extra: str):
+    return load_run_config(
+        overrides=[
+            *TINY,
+            f"--data.prepared={prepared}",
+            f"--run.out_dir={out}",
+            "--run.name=r",
+            *extra,
+        ]
+    )
+
+
+def test_adamw_matches_torch_adamw_step_for_step():
+    torch.manual_seed(0)
+    a = torch.nn.Linear(8, 4)
+    b = torch.nn.Linear(8, 4)
+    b.load_state_dict(a.state_dict())
+    ours = AdamW(dict(a.named_parameters()), AdamWConfig(weight_decay=0.1))
+    ref = torch.optim.AdamW(
+        [{"params": [b.weight], "weight_decay": 0.1}, {"params": [b.bias], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
+    for step in range(5):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        for m in (a, b):
+            m.zero_grad()
+            m(x).pow(2).mean().backward()
+        ours.step([n for n, _ in a.named_parameters()], lr=1e-2)
+        ref.step()
+    torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=1e-7)
+    torch.testing.assert_close(a.bias, b.bias, rtol=0, atol=1e-7)
+
+
+def test_loss_falls(prepared: Path, tmp_path: Path):
+    session = open_session(config(prepared, tmp_path, "--train.steps=40", "--train.lr=1e-2"))
+    session.trainer.fit()
+    vals = [
+        r["val_loss"] for r in read_metrics(session.run_dir / "metrics.jsonl") if "val_loss" in r
+    ]
+    assert vals[-1] < vals[0] - 1.0
+
+
+def params_of(session) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in session.model.named_parameters()}
+
+
+def test_resume_continues_exactly(prepared: Path, tmp_path: Path):
+    whole = open_session(config(prepared, tmp_path / "a", "--train.steps=20"))
+    whole.trainer.fit()
+    first = open_session(config(prepared, tmp_path / "b", "--train.steps=20"))
+    first.trainer.after_step = lambda st: st.step == 10 and first.trainer.stop.set()
+    first.trainer.fit()
+    assert first.trainer.state.step == 10
+    resumed = open_session(
+        config(prepared, tmp_path / "b", "--train.steps=20"), resume=first.run_dir
+    )
+    assert resumed.trainer.state.step == 10
+    resumed.trainer.fit()
+    a = read_metrics(whole.run_dir / "metrics.jsonl")
+    b = read_metrics(resumed.run_dir / "metrics.jsonl")
+    assert [r.get("loss") for r in a] == [r.get("loss") for r in b]
+    assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
+    pa, pb = params_of(whole), params_of(resumed)
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), name
+
+
+def test_checkpoint_is_checked_before_use(prepared: Path, tmp_path: Path):
+    s = open_session(config(prepared, tmp_path, "--train.steps=3"))
+    s.trainer.fit()
+    ckpt = latest_checkpoint(s.run_dir)
+    assert ckpt is not None and ckpt.name == "step_000003"
+    verify_checkpoint(ckpt)
+    assert load_checkpoint(ckpt).state["step"] == 3
+    weights = ckpt / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[: len(original) // 2])
+    with pytest.raises(AtomError, match="truncated: model.safetensors"):
+        load_checkpoint(ckpt)
+    tampered = bytearray(original)
+    tampered[-5] ^= 1
+    weights.write_bytes(bytes(tampered))
+    with pytest.raises(AtomError, match="corrupt or tampered"):
+        load_checkpoint(ckpt)
+    weights.write_bytes(original)
+    other = config(prepared, tmp_path / "o", "--model.n_embd=48", "--model.n_head=2")
+    with pytest.raises(AtomError, match="for another model"):
+        open_session(other, resume=ckpt)
+
+
+def test_existing_run_is_never_overwritten_without_the_flag(prepared: Path, tmp_path: Path):
+    s = open_session(config(prepared, tmp_path, "--train.steps=2"))
+    s.trainer.fit()
+    marker = (s.run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(AtomError, match="already exists; pass --overwrite"):
+        open_session(config(prepared, tmp_path, "--train.steps=2"))
+    assert (s.run_dir / "metrics.jsonl").read_text() == marker
+    again = open_session(config(prepared, tmp_path, "--train.steps=2"), overwrite=True)
+    assert not (again.run_dir / "metrics.jsonl").exists()
+
+
+def test_run_dir_holds_resolved_config(prepared: Path, tmp_path: Path):
+    s = open_session(config(prepared, tmp_path, "--train.steps=2", "--train.lr=0.002"))
+    saved = json.loads((s.run_dir / "config.json").read_text())
+    assert saved["train"]["lr"] == 0.002 and saved["model"]["preset"] == "tiny"
