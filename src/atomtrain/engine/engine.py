@@ -1,0 +1,540 @@
+"""The swap engine: a model's blocks streamed through the device one sub-model at a time.
+
+Master parameters stay where the model keeps them (host memory; pinned on CUDA). For each pass the
+engine runs the model's own forward with each block replaced by a proxy that (1) makes sure the
+block's sub-model is on the device, prefetching the next one while this one computes, and (2) runs
+the block through `_SwappedBlock`, an autograd function that saves what the plan's policy says and,
+in the backward, brings the sub-model back (the last one never left), recomputes if needed, and
+streams the block's gradients back to the host parameters' `.grad`.
+
+Everything on the device is reserved in `DeviceMemory` first, so `memory.peak` is the accounted
+peak and a plan that would exceed `budget_bytes` fails loudly instead of silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from atomtrain.engine.layout import BlockLayout, find_blocks
+from atomtrain.engine.memory import DeviceMemory, count_saved_bytes, tensor_bytes
+from atomtrain.engine.plan import ExecutionPlan, Policy
+from atomtrain.engine.transfer import Copier, Loaded, Trace
+from atomtrain.errors import AtomError
+
+log = logging.getLogger(__name__)
+
+ModelCall = Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]
+
+
+def default_call(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
+    return model(x, y)
+
+
+def extract_loss(out: Any) -> torch.Tensor:
+    """The loss from a model's output: `(logits, loss)`, an object with `.loss`, or a dict."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict) and "loss" in out:
+        return out["loss"]
+    if hasattr(out, "loss"):
+        return out.loss
+    if isinstance(out, tuple | list) and len(out) >= 2 and isinstance(out[1], torch.Tensor):
+        return out[1]
+    raise AtomError(f"cannot find a loss in the model's output ({type(out).__name__})")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine uses the device."""
+
+    budget_bytes: int
+    """Device bytes the engine may hold at once: parameters, gradients, activations."""
+    param_dtype: str = "float32"
+    """Dtype of device copies (`bfloat16`/`float16` halve transfer bytes; masters stay fp32)."""
+    blocks: str = ""
+    """Dotted path of the block container (empty: found automatically)."""
+
+
+class _BlockProxy(nn.Module):
+    """Stands in for block i during the engine's forward."""
+
+    def __init__(self, engine: SwapEngine, i: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_engine", engine)  # not a submodule: keeps names unchanged
+        self.i = i
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._engine._run_block(self.i, args, kwargs)
+
+
+class _SwappedBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, engine: SwapEngine, i: int, rest: tuple,
+                kwargs: dict) -> torch.Tensor:
+        ctx.engine, ctx.i, ctx.rest, ctx.kwargs = engine, i, rest, kwargs
+        return engine._forward_block(ctx, x)
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple:
+        return ctx.engine._backward_block(ctx, gy), None, None, None, None
+
+
+class _FetchParam(torch.autograd.Function):
+    """A block parameter as a graph node that refers to the sub-model's *current* device copy.
+
+    Kept and offloaded graphs survive the sub-model's eviction: the tensors they save are tokens
+    resolved at backward time against the reloaded copy, and the gradient is handed to the engine
+    instead of accumulating into a leaf that would pin the old copy on the device.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, engine: SwapEngine, i: int,
+                local: str) -> torch.Tensor:
+        ctx.engine, ctx.i, ctx.local = engine, i, local
+        return engine._device_tensor(i, local).detach()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        ctx.engine._stash_grad(ctx.i, ctx.local, g)
+        return None, None, None, None
+
+
+class SwapEngine:
+    def __init__(self, model: nn.Module, plan: ExecutionPlan, cfg: EngineConfig,
+                 device: torch.device, call: ModelCall = default_call) -> None:
+        self.model = model
+        self.plan = plan
+        self.cfg = cfg
+        self.device = device
+        self.call = call
+        self.layout: BlockLayout = find_blocks(model, cfg.blocks or None)
+        plan.validate(len(self.layout))
+        self.dtype = getattr(torch, cfg.param_dtype)
+        self.memory = DeviceMemory(cfg.budget_bytes)
+        self.trace = Trace()
+        self.copier = Copier(device, self.dtype, self.trace)
+        self.offloader = ThreadPoolExecutor(1, thread_name_prefix="atom-offload")
+        self.d2h_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._index_model()
+        self.resident: dict[int, Loaded] = {}
+        self.pending: dict[int, Future[Loaded]] = {}
+        self.gates: dict[int, Future] = {}
+        """Per sub-model (and -1 for the outer part): work a load must wait for (an optimizer
+        step writing the host parameters it would copy)."""
+        self.on_grads_ready: Callable[[int, list[Future]], None] | None = None
+        self._tails: dict[int, tuple | None] = {}
+        self._grad_futures: dict[int, list[Future]] = defaultdict(list)
+        self._outer_dev: dict[str, torch.Tensor] | None = None
+        self._outer_bytes = 0
+        self._first_pass = True
+        self._final_pass = True
+        self._keep_first = False
+        self._stashed: dict[tuple[int, str], torch.Tensor] = {}
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self._unpacking_block = -1
+        self._restored_bytes = 0
+
+    # ----- setup -----------------------------------------------------------------------------
+
+    def _index_model(self) -> None:
+        lay = self.layout
+        self.blocks = [lay.block(i) for i in range(len(lay))]
+        self.sub_of = [k for k, s in enumerate(self.plan.submodels) for _ in s.blocks]
+        if self.device.type == "cuda":
+            for p in self.model.parameters():
+                if not p.data.is_pinned():
+                    p.data = p.data.pin_memory()
+        self.host_params = dict(self.model.named_parameters())
+        self.host_blocks: list[dict[str, torch.Tensor]] = []
+        self.block_param_names: list[dict[str, str]] = []  # local name -> model-wide name
+        for i, block in enumerate(self.blocks):
+            tensors = {n: p for n, p in block.named_parameters()}
+            tensors.update({n: b for n, b in block.named_buffers()})
+            self.host_blocks.append(tensors)
+            self.block_param_names.append(
+                {n: lay.prefix(i) + n for n, _ in block.named_parameters()})
+        self.host_outer = {n: p for n, p in self.model.named_parameters()
+                           if not self.layout.is_block_param(n)}
+        self.host_outer.update({n: b for n, b in self.model.named_buffers()
+                                if not self.layout.is_block_param(n)})
+        self.outer_param_names = [n for n in self.host_outer if n in self.host_params]
+        self._staging: dict[int, torch.Tensor] = {}
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.block_bytes = [sum(t.numel() * (itemsize if t.is_floating_point()
+                                             else t.element_size()) for t in b.values())
+                            for b in self.host_blocks]
+        self.block_grad_bytes = [sum(self.host_blocks[i][n].numel() * itemsize for n in names)
+                                 for i, names in enumerate(self.block_param_names)]
+        self.submodel_bytes = [sum(self.block_bytes[i] for i in s.blocks)
+                               for s in self.plan.submodels]
+
+    def _host_source(self, t: torch.Tensor) -> torch.Tensor:
+        """What a load copies from: the master itself, or its low-precision staging copy."""
+        if self.dtype == torch.float32 or not t.is_floating_point():
+            return t
+        staged = self._staging.get(id(t))
+        if staged is None:
+            staged = t.detach().to(self.dtype)
+            if self.device.type == "cuda":
+                staged = staged.pin_memory()
+            self._staging[id(t)] = staged
+        return staged
+
+    def refresh_staging(self, names: list[str]) -> None:
+        """Re-derive low-precision staging copies after an optimizer step wrote the masters."""
+        if self.dtype == torch.float32:
+            return
+        with torch.no_grad():
+            for n in names:
+                p = self.host_params[n]
+                if id(p) in self._staging:
+                    self._staging[id(p)].copy_(p)
+
+    # ----- loading and eviction ---------------------------------------------------------------
+
+    def _issue_load(self, k: int) -> Future[Loaded]:
+        nbytes = self.submodel_bytes[k]
+        self.memory.reserve(nbytes, f"parameters of sub-model {k}")
+        sub = self.plan.submodels[k]
+        gate = self.gates.get(k)
+        host = [{n: self._host_source(t) for n, t in self.host_blocks[i].items()}
+                for i in sub.blocks]
+        return self.copier.load(k, host, nbytes, before=gate.result if gate else None)
+
+    def _prefetch(self, k: int) -> None:
+        if k not in self.resident and k not in self.pending:
+            self.pending[k] = self._issue_load(k)
+
+    def _acquire(self, k: int) -> Loaded:
+        if k not in self.resident:
+            fut = self.pending.pop(k, None) or self._issue_load(k)
+            loaded = fut.result()
+            loaded.wait()
+            sub = self.plan.submodels[k]
+            for j, i in enumerate(sub.blocks):
+                for local in self.block_param_names[i]:
+                    loaded.blocks[j][local].requires_grad_(True)
+            self.resident[k] = loaded
+        return self.resident[k]
+
+    def _evict(self, k: int) -> None:
+        loaded = self.resident.pop(k, None)
+        if loaded is not None:
+            self.memory.release(loaded.nbytes)
+
+    # ----- the outer part (embeddings, final norm, head): resident for a whole step ------------
+
+    def _load_outer(self) -> dict[str, torch.Tensor]:
+        if self._outer_dev is None:
+            gate = self.gates.get(-1)
+            if gate is not None:
+                gate.result()
+            grads = tensor_bytes([self.host_outer[n] for n in self.outer_param_names])
+            if self.dtype != torch.float32:
+                grads //= 2
+            params = sum(t.numel() * (torch.empty((), dtype=self.dtype).element_size()
+                                      if t.is_floating_point() else t.element_size())
+                         for t in self.host_outer.values())
+            self._outer_bytes = params + grads
+            self.memory.reserve(self._outer_bytes, "outer parameters and gradients")
+            dev = {n: self.copier._to_device(self._host_source(t))
+                   for n, t in self.host_outer.items()}
+            for n in self.outer_param_names:
+                dev[n].requires_grad_(True)
+            self._outer_dev = dev
+        return self._outer_dev
+
+    def _release_outer(self) -> None:
+        if self._outer_dev is not None:
+            self._outer_dev = None
+            self.memory.release(self._outer_bytes)
+
+    def _offload_outer_grads(self) -> None:
+        assert self._outer_dev is not None
+        for n in self.outer_param_names:
+            g = self._outer_dev[n].grad
+            self._outer_dev[n].grad = None
+            if g is not None:
+                self._accumulate(self.host_params[n], g.to("cpu", dtype=torch.float32))
+
+    def _accumulate(self, host: torch.Tensor, g: torch.Tensor) -> None:
+        if self._first_pass or host.grad is None:
+            host.grad = g if g.dtype == host.dtype and g.device == host.device else g.to(host)
+        else:
+            host.grad.add_(g)
+
+    # ----- a pass: the model's forward with proxies, then its backward -------------------------
+
+    def run_pass(self, x: torch.Tensor, y: torch.Tensor, weight: float, first: bool,
+                 final: bool) -> float:
+        """Forward and backward of one pass; gradients land in the host parameters' `.grad`
+        (replacing them when `first`, accumulating otherwise). Returns the pass's loss."""
+        self._first_pass, self._final_pass = first, final
+        self._keep_first = not final  # sub-model 0 ends this backward and starts the next pass
+        self._grad_futures.clear()
+        outer = self._load_outer()
+        exclude = {t.untyped_storage().data_ptr() for t in outer.values()}
+        with self.layout.replaced(lambda i: _BlockProxy(self, i)), \
+                count_saved_bytes(exclude) as saved:
+            loss = extract_loss(functional_call(self.model, outer,
+                                                (x.to(self.device), y.to(self.device))))
+        self.memory.reserve(saved[0], "outer activations")
+        try:
+            (loss * weight).backward()
+        finally:
+            self.memory.release(saved[0])
+        self._offload_outer_grads()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The loss alone, streaming the sub-models through once."""
+        outer = self._load_outer()
+        try:
+            with self.layout.replaced(lambda i: _BlockProxy(self, i)):
+                out = functional_call(self.model, outer, (x.to(self.device), y.to(self.device)))
+            return float(extract_loss(out))
+        finally:
+            for k in list(self.resident):
+                self._evict(k)
+            self._release_outer()
+
+    def finish_step(self) -> None:
+        """Wait for every gradient to reach the host and release the outer part."""
+        for futs in self._grad_futures.values():
+            for f in futs:
+                f.result()
+        self._release_outer()
+        for k in list(self.resident):
+            self._evict(k)
+
+    # ----- per block ---------------------------------------------------------------------------
+
+    def _run_block(self, i: int, args: tuple, kwargs: dict) -> Any:
+        x, rest = args[0], args[1:]
+        k = self.sub_of[i]
+        sub = self.plan.submodels[k]
+        if i == sub.start:
+            self._acquire(k)
+            self.trace.record("compute_start", k)
+            if k + 1 < len(self.plan.submodels):
+                self._prefetch(k + 1)
+        if torch.is_grad_enabled():
+            if any(isinstance(a, torch.Tensor) and a.requires_grad
+                   for a in (*rest, *kwargs.values())):
+                raise AtomError(f"block {i} takes a second input that needs a gradient; the "
+                                "engine passes only the first input's gradient")
+            h = _SwappedBlock.apply(x, self, i, rest, kwargs)
+        else:
+            h = self._call(i, x, rest, kwargs)
+        if i == sub.end - 1:
+            self.trace.record("compute_end", k)
+            keep = torch.is_grad_enabled() and k == len(self.plan.submodels) - 1
+            if not keep:  # the last sub-model stays for the start of the backward
+                self._evict(k)
+        tail = self._tails.get(i)
+        return (h, *tail) if tail is not None else h
+
+    def _device_tensors(self, i: int) -> dict[str, torch.Tensor]:
+        k = self.sub_of[i]
+        return self.resident[k].blocks[i - self.plan.submodels[k].start]
+
+    def _device_tensor(self, i: int, local: str) -> torch.Tensor:
+        return self._device_tensors(i)[local]
+
+    def _stash_grad(self, i: int, local: str, g: torch.Tensor) -> None:
+        key = (i, local)
+        self._stashed[key] = g if key not in self._stashed else self._stashed[key] + g
+
+    def _call(self, i: int, x: torch.Tensor, rest: tuple, kwargs: dict,
+              fetched: bool = False) -> torch.Tensor:
+        params = self._device_tensors(i)
+        if fetched:  # parameters as _FetchParam nodes, buffers as they are
+            names = self.block_param_names[i]
+            params = {n: _FetchParam.apply(self._anchor, self, i, n) if n in names else t
+                      for n, t in params.items()}
+        out = functional_call(self.blocks[i], params, (x, *rest), kwargs)
+        if isinstance(out, tuple):
+            self._tails[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
+                                   for o in out[1:])
+            return out[0]
+        self._tails[i] = None
+        return out
+
+    def _param_storages(self, i: int) -> set[int]:
+        k = self.sub_of[i]
+        params = self.resident[k].blocks[i - self.plan.submodels[k].start]
+        return {t.untyped_storage().data_ptr() for t in params.values()}
+
+    def _forward_block(self, ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        i = ctx.i
+        policy = self.plan.submodels[self.sub_of[i]].policy
+        ctx.x_requires_grad = x.requires_grad
+        if policy is Policy.RECOMPUTE:
+            ctx.rng = self._rng_state()
+            ctx.x, ctx.saved_bytes = x.detach(), x.numel() * x.element_size()
+            self.memory.reserve(ctx.saved_bytes, f"input of block {i}")
+            return self._call(i, x, ctx.rest, ctx.kwargs)
+        params = self._param_storages(i)
+        to_host = policy is Policy.OFFLOAD
+        counted = [0]
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> Any:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in params:  # a parameter: resolved against the reloaded copy at backward
+                view = (tuple(t.shape), t.stride(), t.storage_offset())
+                return ("param", (self._local_of(i, t), view))
+            if to_host:
+                return ("host", t.to("cpu", copy=True))
+            if ptr not in seen:
+                seen.add(ptr)
+                counted[0] += t.untyped_storage().nbytes()
+            return ("device", t)
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            xd = x.detach().requires_grad_(x.requires_grad)
+            y = self._call(i, xd, ctx.rest, ctx.kwargs, fetched=True)
+        self.memory.reserve(counted[0], f"kept activations of block {i}")
+        ctx.kept, ctx.saved_bytes = (xd, y), counted[0]
+        return y.detach()
+
+    def _local_of(self, i: int, t: torch.Tensor) -> str:
+        ptr = t.untyped_storage().data_ptr()
+        return next(n for n, d in self._device_tensors(i).items()
+                    if d.untyped_storage().data_ptr() == ptr)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        kind, value = packed
+        if kind == "device":
+            return value
+        if kind == "param":  # the same view, of the copy resident now
+            local, (shape, stride, offset) = value
+            return self._device_tensor(self._unpacking_block, local).as_strided(
+                shape, stride, offset)
+        restored = value.to(self.device, copy=True)
+        nbytes = restored.numel() * restored.element_size()
+        self.memory.reserve(nbytes, f"restored activations of block {self._unpacking_block}")
+        self._restored_bytes += nbytes
+        return restored
+
+    def _backward_block(self, ctx: Any, gy: torch.Tensor) -> torch.Tensor | None:
+        i = ctx.i
+        k = self.sub_of[i]
+        sub = self.plan.submodels[k]
+        if i == sub.end - 1:
+            self._acquire(k)
+            self.trace.record("bwd_start", k)
+            if k > 0:
+                self._prefetch(k - 1)
+        self.memory.reserve(self.block_grad_bytes[i], f"gradients of block {i}")
+        if sub.policy is Policy.RECOMPUTE:
+            xd = self._restore_input(ctx)
+            with torch.enable_grad(), self._replay_rng(ctx.rng), \
+                    count_saved_bytes(self._param_storages(i)) as work:
+                y = self._call(i, xd, ctx.rest, ctx.kwargs)
+            self.memory.reserve(work[0], f"recomputed activations of block {i}")
+            try:
+                torch.autograd.backward(y, gy)
+            finally:
+                self.memory.release(work[0])
+        else:
+            xd, y = ctx.kept
+            ctx.kept = None
+            self._unpacking_block, self._restored_bytes = i, 0
+            try:
+                torch.autograd.backward(y, gy)
+            finally:
+                self.memory.release(self._restored_bytes)
+        self.memory.release(ctx.saved_bytes)
+        gx = xd.grad
+        self._offload_block_grads(i, k)
+        if i == sub.start:
+            self.trace.record("bwd_end", k)
+            if not (k == 0 and self._keep_first):
+                self._evict(k)
+            if self._final_pass and self.on_grads_ready is not None:
+                self.on_grads_ready(k, list(self._grad_futures[k]))
+        return gx
+
+    def _restore_input(self, ctx: Any) -> torch.Tensor:
+        x = ctx.x
+        ctx.x = None
+        return x.detach().requires_grad_(ctx.x_requires_grad)
+
+    def _offload_block_grads(self, i: int, k: int) -> None:
+        params = self.resident[k].blocks[i - self.plan.submodels[k].start]
+        pairs = []
+        for local, name in self.block_param_names[i].items():
+            g = self._stashed.pop((i, local), None)
+            if g is None:
+                g = params[local].grad
+                params[local].grad = None
+            if g is not None:
+                pairs.append((self.host_params[name], g))
+        nbytes = self.block_grad_bytes[i]
+        ready = None
+        if self.d2h_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        first = self._first_pass
+
+        def work() -> None:
+            if ready is not None and self.d2h_stream is not None:
+                self.d2h_stream.wait_event(ready)
+                with torch.cuda.stream(self.d2h_stream):
+                    host = [(h, g.to("cpu", dtype=torch.float32, non_blocking=True))
+                            for h, g in pairs]
+                self.d2h_stream.synchronize()
+            else:
+                host = [(h, g.to(torch.float32)) for h, g in pairs]
+            for h, g in host:
+                if first or h.grad is None:
+                    h.grad = g
+                else:
+                    h.grad.add_(g)
+            self.memory.release(nbytes)
+
+        self._grad_futures[k].append(self.offloader.submit(work))
+
+    def _rng_state(self) -> tuple | None:
+        if not self.model.training:
+            return None
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _replay_rng(self, state: tuple | None) -> Any:
+        import contextlib
+
+        if state is None:
+            return contextlib.nullcontext()
+        cpu, cuda = state
+        devices = [self.device] if self.device.type == "cuda" else []
+
+        @contextlib.contextmanager
+        def replay():
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(cpu)
+                if cuda is not None:
+                    torch.cuda.set_rng_state(cuda, self.device)
+                yield
+
+        return replay()
+
+    def close(self) -> None:
+        self.finish_step()
+        for k, fut in self.pending.items():
+            fut.result()
+            self.memory.release(self.submodel_bytes[k])
+        self.pending.clear()
+        self.copier.close()
+        self.offloader.shutdown(wait=True)
