@@ -72,12 +72,31 @@ class DataSection:
 
 
 @dataclass(frozen=True)
+class EngineSection:
+    """The swap engine: off unless a device memory budget is given."""
+
+    device_memory: str = ""
+    """Device bytes training may use, e.g. `24GB` or `512MiB` (empty: the plain trainer)."""
+    param_dtype: str = "float32"
+    """Dtype of device copies: float32, bfloat16 or float16 (masters stay float32)."""
+    blocks: str = ""
+    """Dotted path of the block container (empty: found automatically)."""
+    submodels: int = 0
+    """Force this many equal sub-models (0: the planner chooses cut points and policies)."""
+    policy: str = "recompute"
+    """Activation policy when `submodels` is forced: keep, offload or recompute."""
+    max_blocks_per_submodel: int = 8
+    """Longest sub-model the planner considers."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
+    engine: EngineSection = field(default_factory=EngineSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

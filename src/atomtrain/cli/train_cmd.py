@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", type=Path, help="continue a run directory or a checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     p.add_argument("--name", help="run name (same as --run.name)")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="train through the swap engine within SIZE of device memory (e.g. 24GB)")
     p.add_argument("--no-sample", action="store_true", help="skip the text sample at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, accepts_overrides=True)
@@ -32,6 +34,8 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
 
     if args.name:
         overrides = [*overrides, f"--run.name={args.name}"]
+    if args.device_memory:
+        overrides = [*overrides, f"--engine.device_memory={args.device_memory}"]
     base = None
     if args.resume is not None:
         if not args.resume.exists():
@@ -42,8 +46,6 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
 
 def run(args: argparse.Namespace, overrides: list[str]) -> int:
     from atomtrain.cli.progress import ProgressBar
-    from atomtrain.cli.sample_cmd import sample_text
-    from atomtrain.train.metrics import plot_losses
     from atomtrain.train.session import open_session
 
     cfg = resolve_config(args, overrides)
@@ -56,33 +58,33 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     previous = signal.signal(signal.SIGINT, lambda *_: trainer.stop.set())
     try:
         trainer.fit()
+        if bar:
+            bar.close()
+        return _report(args, cfg, session)
     finally:
         signal.signal(signal.SIGINT, previous)
         if bar:
             bar.close()
         trainer.loader.close()
         trainer.runner.close()
-    plot = plot_losses(
-        session.run_dir / "metrics.jsonl",
-        session.run_dir / "loss.png",
-        title=f"{cfg.model.preset} on {cfg.data.source}",
-    )
+
+
+def _report(args: argparse.Namespace, cfg: RunConfig, session) -> int:  # type: ignore[no-untyped-def]
+    from atomtrain.cli.sample_cmd import sample_text
+    from atomtrain.train.metrics import plot_losses
+
+    trainer = session.trainer
+    plot = plot_losses(session.run_dir / "metrics.jsonl", session.run_dir / "loss.png",
+                       title=f"{cfg.model.preset} on {cfg.data.source}")
     val = trainer.evaluate()
     first = _first_val_loss(session.run_dir)
-    print(
-        f"validation loss: {first:.3f} -> {val:.3f}"
-        if first is not None
-        else f"validation loss: {val:.3f}"
-    )
+    print(f"validation loss: {first:.3f} -> {val:.3f}" if first is not None
+          else f"validation loss: {val:.3f}")
     if not args.no_sample:
-        text = sample_text(
-            session.model,
-            session.shards.tokenizer,
-            prompt="def ",
-            max_new_tokens=200,
-            temperature=0.8,
-            top_k=40,
-        )
+        model = session.model
+        trainer.runner.host_parameters()  # waits for any optimizer step still running
+        text = sample_text(model, session.shards.tokenizer, prompt="def ",
+                           max_new_tokens=200, temperature=0.8, top_k=40)
         print("sample:\n" + text)
     print(f"checkpoint: {trainer.save()}")
     print(f"loss plot: {plot}")

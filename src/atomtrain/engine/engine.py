@@ -459,6 +459,9 @@ class SwapEngine:
         gx = xd.grad
         self._offload_block_grads(i, k)
         if i == sub.start:
+            # Bound device gradients to one sub-model's worth before the next one starts.
+            for f in self._grad_futures[k]:
+                f.result()
             self.trace.record("bwd_end", k)
             if not (k == 0 and self._keep_first):
                 self._evict(k)

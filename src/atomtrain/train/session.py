@@ -171,6 +171,10 @@ def open_session(
         MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     (run_dir / "tokenizer.json").write_text(json.dumps(shards.manifest["tokenizer"]))
+    if cfg.engine.device_memory and runner_factory is plain_runner:
+        from atomtrain.engine.factory import swap_runner
+
+        runner_factory = swap_runner
     runner = runner_factory(model, opt, cfg, device)
     trainer = Trainer(
         runner=runner,

@@ -1,0 +1,1 @@
+"""The planner: profiles a model on a device and partitions it into sub-models."""

@@ -1,0 +1,279 @@
+"""What the planner knows about a model on a device: per-block costs and link bandwidth.
+
+A profile is either measured (`measure_profile`: the real blocks timed on the device, the bytes
+autograd saves counted) or analytic (`analytic_profile`: FLOPs and bytes from the model's shape and
+a device's stated speed), so `atomtrain plan` can plan a GPT-3 175B on a `meta` model without
+allocating it. Measured profiles are cached as JSON keyed by model, batch and device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from atomtrain.engine.layout import find_blocks
+from atomtrain.engine.memory import count_saved_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block, for one micro-batch."""
+
+    fwd_s: float
+    """Forward time."""
+    bwd_s: float
+    """Backward time (given the saved activations)."""
+    param_bytes: int
+    """Parameters and buffers at the device dtype."""
+    grad_bytes: int
+    """Gradients at the device dtype."""
+    input_bytes: int
+    """The block's input activation (what recomputation saves)."""
+    saved_bytes: int
+    """Activations autograd saves inside the block, parameters excluded."""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    blocks: tuple[BlockCost, ...]
+    outer_param_bytes: int
+    """Embeddings, final norm, head: resident for the whole step."""
+    outer_grad_bytes: int
+    outer_saved_bytes: int
+    """Activations the outer part saves, per micro-batch (the logits dominate)."""
+    outer_fwd_s: float
+    outer_bwd_s: float
+    h2d_bytes_per_s: float
+    """Host-to-device bandwidth."""
+    d2h_bytes_per_s: float
+    """Device-to-host bandwidth."""
+    micro_batch_rows: int
+    seq_len: int
+    device: str
+    measured: bool
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        d = json.loads(text)
+        d["blocks"] = tuple(BlockCost(**b) for b in d["blocks"])
+        return cls(**d)
+
+    @property
+    def model_param_bytes(self) -> int:
+        return self.outer_param_bytes + sum(b.param_bytes for b in self.blocks)
+
+
+# ----- analytic ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device as the analytic profile sees it."""
+
+    memory_bytes: int
+    tflops: float = 80.0
+    """Dense bf16 matmul throughput actually reached (about half of a 4090's or 3090's peak)."""
+    h2d_gbps: float = 25.0
+    """Host-to-device GB/s (PCIe 4.0 x16 in practice)."""
+    d2h_gbps: float = 25.0
+    name: str = "gpu"
+
+
+def analytic_profile(model_cfg: object, rows: int, seq_len: int, dev: DeviceSpec,
+                     dtype_bytes: int = 2) -> ModelProfile:
+    """A GPT's costs from its shape: 2 FLOPs per parameter per token forward, twice that
+    backward, plus causal attention; activations as in Korthikanti et al. with fused attention
+    (34 bytes per token and channel in 16-bit, no T×T term)."""
+    C, L, V = model_cfg.n_embd, model_cfg.n_layer, model_cfg.vocab_size  # type: ignore[attr-defined]
+    tokens = rows * seq_len
+    block_params = 12 * C * C + 13 * C
+    fwd_flops = 2 * block_params * tokens + 2 * rows * seq_len * seq_len * C
+    speed = dev.tflops * 1e12
+    block = BlockCost(
+        fwd_s=fwd_flops / speed, bwd_s=2 * fwd_flops / speed,
+        param_bytes=block_params * dtype_bytes, grad_bytes=block_params * dtype_bytes,
+        input_bytes=tokens * C * dtype_bytes, saved_bytes=17 * tokens * C * dtype_bytes,
+    )
+    outer_params = V * C + model_cfg.block_size * C + 2 * C  # type: ignore[attr-defined]
+    head_flops = 2 * V * C * tokens
+    return ModelProfile(
+        blocks=(block,) * L, outer_param_bytes=outer_params * dtype_bytes,
+        outer_grad_bytes=outer_params * dtype_bytes,
+        outer_saved_bytes=tokens * V * 4 * 2 + tokens * C * dtype_bytes,
+        outer_fwd_s=head_flops / speed, outer_bwd_s=2 * head_flops / speed,
+        h2d_bytes_per_s=dev.h2d_gbps * 1e9, d2h_bytes_per_s=dev.d2h_gbps * 1e9,
+        micro_batch_rows=rows, seq_len=seq_len, device=dev.name, measured=False,
+        notes={"source": f"analytic: {dev.tflops} TFLOP/s, {dev.h2d_gbps} GB/s host-to-device"},
+    )
+
+
+# ----- measured ------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[float, float]:
+    """(host-to-device, device-to-host) bytes per second for one large copy."""
+    host = torch.empty(nbytes // 4, dtype=torch.float32)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    dev = host.to(device, copy=True)
+    h2d = _timed(lambda: dev.copy_(host, non_blocking=True), device, 3)
+    d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device, 3)
+    return nbytes / h2d, nbytes / d2h
+
+
+def _measure_block(block: nn.Module, x: torch.Tensor, dtype: torch.dtype,
+                   device: torch.device, reps: int) -> BlockCost:
+    tensors = {n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype,
+                                copy=True) for n, t in
+               [*block.named_parameters(), *block.named_buffers()]}
+    names = {n for n, _ in block.named_parameters()}
+    for n in names:
+        tensors[n].requires_grad_(True)
+    storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
+
+    def fwd() -> torch.Tensor:
+        out = functional_call(block, tensors, (x,))
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.no_grad():
+        fwd_s = _timed(fwd, device, reps)
+
+    def fwd_bwd() -> None:
+        xd = x.detach().requires_grad_()
+        y = functional_call(block, tensors, (xd,))
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(torch.ones_like(y))
+        for n in names:
+            tensors[n].grad = None
+
+    total = _timed(fwd_bwd, device, reps)
+    with count_saved_bytes(storages) as saved:
+        y = fwd_bwd_graph = functional_call(block, tensors, (x.detach().requires_grad_(),))
+    del y, fwd_bwd_graph
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    pbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return BlockCost(
+        fwd_s=fwd_s, bwd_s=max(total - fwd_s, 1e-9), param_bytes=pbytes,
+        grad_bytes=sum(tensors[n].numel() * itemsize for n in names),
+        input_bytes=x.numel() * x.element_size(), saved_bytes=saved[0],
+    )
+
+
+def measure_profile(model: nn.Module, rows: int, seq_len: int, device: torch.device,
+                    dtype: torch.dtype = torch.float32, blocks_path: str = "",
+                    reps: int = 3) -> ModelProfile:
+    """Time each distinct block on the device and count the bytes it saves."""
+    layout = find_blocks(model, blocks_path or None)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 256)
+    idx = torch.randint(0, vocab, (rows, seq_len), device=device)
+    outer = {n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype,
+                              copy=True)
+             for n, t in [*model.named_parameters(), *model.named_buffers()]
+             if not layout.is_block_param(n)}
+    first_input: list[torch.Tensor] = []
+
+    class Capture(nn.Module):  # the outer part alone: blocks as identities
+        def forward(self, x: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
+            if not first_input:
+                first_input.append(x.detach())
+            return x
+
+    params = {n for n, _ in model.named_parameters()}
+    for n, t in outer.items():
+        if n in params:
+            t.requires_grad_(True)
+    storages = {t.untyped_storage().data_ptr() for t in outer.values()}
+    with layout.replaced(lambda i: Capture()):
+        def outer_fwd() -> torch.Tensor:
+            out = functional_call(model, outer, (idx, idx))
+            return out[1] if isinstance(out, tuple) else out.loss
+
+        with torch.no_grad():
+            outer_fwd_s = _timed(outer_fwd, device, reps)
+        outer_total = _timed(lambda: outer_fwd().backward(), device, reps)
+        with count_saved_bytes(storages) as osaved:
+            loss = outer_fwd()
+        del loss
+    x = first_input[0].to(dtype)
+    cache: dict[str, BlockCost] = {}
+    costs = []
+    for i in range(len(layout)):
+        block = layout.block(i)
+        sig = type(block).__name__ + str([tuple(p.shape) for p in block.parameters()])
+        if sig not in cache:
+            cache[sig] = _measure_block(block, x, dtype, device, reps)
+        costs.append(cache[sig])
+    h2d, d2h = measure_bandwidth(device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return ModelProfile(
+        blocks=tuple(costs),
+        outer_param_bytes=sum(t.numel() * t.element_size() for t in outer.values()),
+        outer_grad_bytes=sum(t.numel() * itemsize for n, t in outer.items() if n in params),
+        outer_saved_bytes=osaved[0], outer_fwd_s=outer_fwd_s,
+        outer_bwd_s=max(outer_total - outer_fwd_s, 1e-9),
+        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, micro_batch_rows=rows, seq_len=seq_len,
+        device=device_name(device), measured=True,
+    )
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{torch.get_num_threads()}threads"
+
+
+def profile_key(model: nn.Module, rows: int, seq_len: int, device: torch.device,
+                dtype: torch.dtype) -> str:
+    shape = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    raw = json.dumps([type(model).__name__, shape, rows, seq_len, device_name(device), str(dtype),
+                      torch.__version__])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def cached_profile(model: nn.Module, rows: int, seq_len: int, device: torch.device,
+                   dtype: torch.dtype, cache_dir: Path, blocks_path: str = "") -> ModelProfile:
+    """The measured profile from the cache, measuring (and caching) it on a miss."""
+    path = cache_dir / f"{profile_key(model, rows, seq_len, device, dtype)}.json"
+    if path.is_file():
+        try:
+            return ModelProfile.from_json(path.read_text())
+        except (json.JSONDecodeError, TypeError, KeyError):
+            log.warning("ignoring unreadable profile cache %s", path)
+    prof = measure_profile(model, rows, seq_len, device, dtype, blocks_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(prof.to_json())
+    tmp.replace(path)
+    return prof
