@@ -94,3 +94,71 @@ def test_data_prepare_command(corpus_dir: Path, tmp_path: Path):
     proc = run_cli("data", "prepare", str(corpus_dir), "out", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "training and" in proc.stdout and (tmp_path / "out/manifest.json").is_file()
+
+
+def test_plan_for_gpt3_on_a_24gb_device(tmp_path: Path):
+    proc = run_cli("plan", "--model", "gpt3-175b", "--device-memory", "24GB", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted step" in proc.stdout and "lower bound" in proc.stdout
+    small = run_cli("plan", "--model", "gpt3-175b", "--device-memory", "2GB", cwd=tmp_path)
+    assert_one_line_error(small, "block", "alone needs", "more than the budget")
+    bad = run_cli("plan", "--model", "gpt3-175b", "--device-memory", "lots", cwd=tmp_path)
+    assert_one_line_error(bad, "cannot read 'lots' as a size")
+
+
+def test_train_through_the_engine_and_resume_plainly(prepared: Path, tmp_path: Path):
+    proc = run_cli(
+        "train",
+        *TINY,
+        "--train.steps=6",
+        f"--data.prepared={prepared}",
+        "--name=sw",
+        "--device-memory=4MB",
+        "--no-sample",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "plan:" in proc.stderr
+    plain = run_cli(
+        "train",
+        "--resume",
+        "runs/sw",
+        "--train.steps=8",
+        "--engine.device_memory=",
+        "--no-sample",
+        cwd=tmp_path,
+    )
+    assert plain.returncode == 0, plain.stderr
+    assert (tmp_path / "runs/sw/checkpoints/step_000008").is_dir()
+
+
+def test_bench_swap_prints_its_fields(tmp_path: Path):
+    proc = run_cli(
+        "bench",
+        "swap",
+        "--json",
+        "--n-layer=4",
+        "--n-embd=64",
+        "--n-head=2",
+        "--seq-len=16",
+        "--rows=4",
+        "--rounds=1",
+        "--steps-per-round=2",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in (
+        "resident_tokens_per_s",
+        "swapped_tokens_per_s",
+        "ratio",
+        "budget_bytes",
+        "model_bytes",
+        "peak_device_bytes",
+        "num_submodels",
+        "max_abs_loss_diff",
+        "max_rel_grad_diff",
+    ):
+        assert key in out, key
+    assert out["peak_device_bytes"] <= out["budget_bytes"]
+    assert out["max_rel_grad_diff"] <= 1e-5 and out["num_submodels"] >= 2

@@ -1,9 +1,56 @@
-"""`atomtrain plan` and `atomtrain profile` (filled in by the planner)."""
+"""`atomtrain bench NAME`: benchmarks that print one JSON object and never judge."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    pass
+    bench = sub.add_parser("bench", help="measure Atom against its baselines")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    p = bsub.add_parser("swap", help="swap engine against plain resident training")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--n-head", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps-per-round", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--param-dtype", default="float32")
+    p.add_argument("--device-memory", default="", help="budget (default: forces sub-models)")
+    p.set_defaults(func=run_swap)
+
+
+def _emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        print(f"{key:>28}: {value}")
+
+
+def run_swap(args: argparse.Namespace, _extra: list[str]) -> int:
+    from atomtrain.bench.swap import SwapBenchConfig, run_swap_bench
+    from atomtrain.planner.partition import parse_bytes
+
+    cfg = SwapBenchConfig(
+        preset=args.preset,
+        n_layer=args.n_layer,
+        n_embd=args.n_embd,
+        n_head=args.n_head,
+        seq_len=args.seq_len,
+        rows=args.rows,
+        micro_batches=args.micro_batches,
+        rounds=args.rounds,
+        steps_per_round=args.steps_per_round,
+        device=args.device,
+        param_dtype=args.param_dtype,
+        budget_bytes=parse_bytes(args.device_memory) if args.device_memory else 0,
+    )
+    _emit(run_swap_bench(cfg), args.json)
+    return 0

@@ -11,9 +11,12 @@ import torch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="partition a model for a device memory budget",
-                       description="Plan a model without allocating it: the model is built on "
-                                   "`meta` and costed from its shape and the device's speed.")
+    p = sub.add_parser(
+        "plan",
+        help="partition a model for a device memory budget",
+        description="Plan a model without allocating it: the model is built on "
+        "`meta` and costed from its shape and the device's speed.",
+    )
     p.add_argument("--model", default="gpt3-13b", help="a model preset")
     p.add_argument("--device-memory", default="24GB", help="device memory budget, e.g. 24GB")
     p.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")
@@ -54,8 +57,13 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
     with torch.device("meta"):
         model = GPT(cfg)  # sized, never allocated
     t0 = time.perf_counter()
-    prof = analytic_profile(cfg, args.rows, seq, DeviceSpec(budget, args.tflops, args.h2d_gbps,
-                                                            args.h2d_gbps), args.dtype_bytes)
+    prof = analytic_profile(
+        cfg,
+        args.rows,
+        seq,
+        DeviceSpec(budget, args.tflops, args.h2d_gbps, args.h2d_gbps),
+        args.dtype_bytes,
+    )
     plan = plan_dp(prof, budget, args.micro_batches, args.max_blocks)
     pred = predict(prof, plan, args.micro_batches)
     took = time.perf_counter() - t0
@@ -63,32 +71,72 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
     for k, (s, c) in enumerate(zip(plan.submodels, pred.costs, strict=True)):
         nxt = pred.costs[k + 1].load_s if k + 1 < len(pred.costs) else 0.0
         hidden = 1.0 if nxt == 0 else min(1.0, c.fwd_s / nxt)
-        rows.append([str(k), f"{s.start}-{s.end - 1}", s.policy.value, fmt_bytes(c.params),
-                     fmt_bytes(c.saved), _ms(c.load_s), _ms(c.fwd_s), _ms(c.bwd_s),
-                     f"{hidden:.0%}"])
+        rows.append(
+            [
+                str(k),
+                f"{s.start}-{s.end - 1}",
+                s.policy.value,
+                fmt_bytes(c.params),
+                fmt_bytes(c.saved),
+                _ms(c.load_s),
+                _ms(c.fwd_s),
+                _ms(c.bwd_s),
+                f"{hidden:.0%}",
+            ]
+        )
     if args.json:
-        print(json.dumps({
-            "model": args.model, "parameters": model.num_parameters(),
-            "budget_bytes": budget, "peak_bytes": pred.peak_bytes,
-            "micro_batches_per_load": plan.micro_batches_per_load, "passes": pred.passes,
-            "predicted_step_s": pred.step_s, "lower_bound_s": pred.lower_bound_s,
-            "submodels": [{"start": s.start, "end": s.end, "policy": s.policy.value}
-                          for s in plan.submodels],
-            "planning_s": took,
-        }))
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "parameters": model.num_parameters(),
+                    "budget_bytes": budget,
+                    "peak_bytes": pred.peak_bytes,
+                    "micro_batches_per_load": plan.micro_batches_per_load,
+                    "passes": pred.passes,
+                    "predicted_step_s": pred.step_s,
+                    "lower_bound_s": pred.lower_bound_s,
+                    "submodels": [
+                        {"start": s.start, "end": s.end, "policy": s.policy.value}
+                        for s in plan.submodels
+                    ],
+                    "planning_s": took,
+                }
+            )
+        )
         return 0
     from atomtrain.cli.table import render_table
 
-    print(f"{args.model}: {model.num_parameters() / 1e9:.2f}B parameters, "
-          f"{len(prof.blocks)} blocks, {args.rows}x{seq} tokens per micro-batch, "
-          f"{args.micro_batches} micro-batches per step")
-    print(render_table(["sub-model", "blocks", "policy", "params", "saved act", "load ms",
-                        "fwd ms", "bwd ms", "load hidden"], rows))
+    print(
+        f"{args.model}: {model.num_parameters() / 1e9:.2f}B parameters, "
+        f"{len(prof.blocks)} blocks, {args.rows}x{seq} tokens per micro-batch, "
+        f"{args.micro_batches} micro-batches per step"
+    )
+    print(
+        render_table(
+            [
+                "sub-model",
+                "blocks",
+                "policy",
+                "params",
+                "saved act",
+                "load ms",
+                "fwd ms",
+                "bwd ms",
+                "load hidden",
+            ],
+            rows,
+        )
+    )
     print(f"micro-batches per load: {plan.micro_batches_per_load} ({pred.passes} passes)")
-    print(f"predicted step: {pred.step_s:.3f} s; lower bound max(compute, load): "
-          f"{pred.lower_bound_s:.3f} s ({pred.lower_bound_s / pred.step_s:.0%})")
-    print(f"device peak: {fmt_bytes(pred.peak_bytes)} of {fmt_bytes(budget)}; "
-          f"planned in {took:.2f} s ({prof.notes.get('source', '')})")
+    print(
+        f"predicted step: {pred.step_s:.3f} s; lower bound max(compute, load): "
+        f"{pred.lower_bound_s:.3f} s ({pred.lower_bound_s / pred.step_s:.0%})"
+    )
+    print(
+        f"device peak: {fmt_bytes(pred.peak_bytes)} of {fmt_bytes(budget)}; "
+        f"planned in {took:.2f} s ({prof.notes.get('source', '')})"
+    )
     return 0
 
 
@@ -108,16 +156,27 @@ def run_profile(args: argparse.Namespace, _extra: list[str]) -> int:
     if args.seq_len > cfg.block_size:
         raise AtomError(f"--seq-len {args.seq_len} exceeds the model's context {cfg.block_size}")
     model = GPT(cfg)
-    prof = cached_profile(model, args.rows, args.seq_len, device, DTYPES[args.dtype],
-                          cache_dir() / "profiles")
+    prof = cached_profile(
+        model, args.rows, args.seq_len, device, DTYPES[args.dtype], cache_dir() / "profiles"
+    )
     if args.json:
         print(prof.to_json())
         return 0
-    rows = [[str(i), _ms(b.fwd_s), _ms(b.bwd_s), fmt_bytes(b.param_bytes),
-             fmt_bytes(b.input_bytes), fmt_bytes(b.saved_bytes)]
-            for i, b in enumerate(prof.blocks)]
+    rows = [
+        [
+            str(i),
+            _ms(b.fwd_s),
+            _ms(b.bwd_s),
+            fmt_bytes(b.param_bytes),
+            fmt_bytes(b.input_bytes),
+            fmt_bytes(b.saved_bytes),
+        ]
+        for i, b in enumerate(prof.blocks)
+    ]
     print(render_table(["block", "fwd ms", "bwd ms", "params", "input", "saved"], rows))
-    print(f"outer part: {fmt_bytes(prof.outer_param_bytes)} parameters, "
-          f"{fmt_bytes(prof.outer_saved_bytes)} saved; host-to-device "
-          f"{prof.h2d_bytes_per_s / 1e9:.1f} GB/s on {prof.device}")
+    print(
+        f"outer part: {fmt_bytes(prof.outer_param_bytes)} parameters, "
+        f"{fmt_bytes(prof.outer_saved_bytes)} saved; host-to-device "
+        f"{prof.h2d_bytes_per_s / 1e9:.1f} GB/s on {prof.device}"
+    )
     return 0

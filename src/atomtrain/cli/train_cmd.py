@@ -6,9 +6,13 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from atomtrain.config import RunConfig, load_run_config
 from atomtrain.errors import AtomError
+
+if TYPE_CHECKING:
+    from atomtrain.train.session import Session
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,8 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", type=Path, help="continue a run directory or a checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     p.add_argument("--name", help="run name (same as --run.name)")
-    p.add_argument("--device-memory", metavar="SIZE",
-                   help="train through the swap engine within SIZE of device memory (e.g. 24GB)")
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="train through the swap engine within SIZE of device memory (e.g. 24GB)",
+    )
     p.add_argument("--no-sample", action="store_true", help="skip the text sample at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, accepts_overrides=True)
@@ -69,22 +76,34 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
         trainer.runner.close()
 
 
-def _report(args: argparse.Namespace, cfg: RunConfig, session) -> int:  # type: ignore[no-untyped-def]
+def _report(args: argparse.Namespace, cfg: RunConfig, session: Session) -> int:
     from atomtrain.cli.sample_cmd import sample_text
     from atomtrain.train.metrics import plot_losses
 
     trainer = session.trainer
-    plot = plot_losses(session.run_dir / "metrics.jsonl", session.run_dir / "loss.png",
-                       title=f"{cfg.model.preset} on {cfg.data.source}")
+    plot = plot_losses(
+        session.run_dir / "metrics.jsonl",
+        session.run_dir / "loss.png",
+        title=f"{cfg.model.preset} on {cfg.data.source}",
+    )
     val = trainer.evaluate()
     first = _first_val_loss(session.run_dir)
-    print(f"validation loss: {first:.3f} -> {val:.3f}" if first is not None
-          else f"validation loss: {val:.3f}")
+    print(
+        f"validation loss: {first:.3f} -> {val:.3f}"
+        if first is not None
+        else f"validation loss: {val:.3f}"
+    )
     if not args.no_sample:
         model = session.model
         trainer.runner.host_parameters()  # waits for any optimizer step still running
-        text = sample_text(model, session.shards.tokenizer, prompt="def ",
-                           max_new_tokens=200, temperature=0.8, top_k=40)
+        text = sample_text(
+            model,
+            session.shards.tokenizer,
+            prompt="def ",
+            max_new_tokens=200,
+            temperature=0.8,
+            top_k=40,
+        )
         print("sample:\n" + text)
     print(f"checkpoint: {trainer.save()}")
     print(f"loss plot: {plot}")

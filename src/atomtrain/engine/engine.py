@@ -69,17 +69,18 @@ class _BlockProxy(nn.Module):
 
     def __init__(self, engine: SwapEngine, i: int) -> None:
         super().__init__()
-        object.__setattr__(self, "_engine", engine)  # not a submodule: keeps names unchanged
         self.i = i
+        self._owner = [engine]  # a plain list: not a submodule, names stay unchanged
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._engine._run_block(self.i, args, kwargs)
+        return self._owner[0]._run_block(self.i, args, kwargs)
 
 
 class _SwappedBlock(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, engine: SwapEngine, i: int, rest: tuple,
-                kwargs: dict) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, engine: SwapEngine, i: int, rest: tuple, kwargs: dict
+    ) -> torch.Tensor:
         ctx.engine, ctx.i, ctx.rest, ctx.kwargs = engine, i, rest, kwargs
         return engine._forward_block(ctx, x)
 
@@ -97,8 +98,9 @@ class _FetchParam(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, engine: SwapEngine, i: int,
-                local: str) -> torch.Tensor:
+    def forward(
+        ctx: Any, anchor: torch.Tensor, engine: SwapEngine, i: int, local: str
+    ) -> torch.Tensor:
         ctx.engine, ctx.i, ctx.local = engine, i, local
         return engine._device_tensor(i, local).detach()
 
@@ -109,8 +111,14 @@ class _FetchParam(torch.autograd.Function):
 
 
 class SwapEngine:
-    def __init__(self, model: nn.Module, plan: ExecutionPlan, cfg: EngineConfig,
-                 device: torch.device, call: ModelCall = default_call) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ExecutionPlan,
+        cfg: EngineConfig,
+        device: torch.device,
+        call: ModelCall = default_call,
+    ) -> None:
         self.model = model
         self.plan = plan
         self.cfg = cfg
@@ -157,25 +165,35 @@ class SwapEngine:
         self.host_blocks: list[dict[str, torch.Tensor]] = []
         self.block_param_names: list[dict[str, str]] = []  # local name -> model-wide name
         for i, block in enumerate(self.blocks):
-            tensors = {n: p for n, p in block.named_parameters()}
+            tensors: dict[str, torch.Tensor] = dict(block.named_parameters())
             tensors.update({n: b for n, b in block.named_buffers()})
             self.host_blocks.append(tensors)
             self.block_param_names.append(
-                {n: lay.prefix(i) + n for n, _ in block.named_parameters()})
-        self.host_outer = {n: p for n, p in self.model.named_parameters()
-                           if not self.layout.is_block_param(n)}
-        self.host_outer.update({n: b for n, b in self.model.named_buffers()
-                                if not self.layout.is_block_param(n)})
+                {n: lay.prefix(i) + n for n, _ in block.named_parameters()}
+            )
+        self.host_outer: dict[str, torch.Tensor] = {
+            n: p for n, p in self.model.named_parameters() if not self.layout.is_block_param(n)
+        }
+        self.host_outer.update(
+            {n: b for n, b in self.model.named_buffers() if not self.layout.is_block_param(n)}
+        )
         self.outer_param_names = [n for n in self.host_outer if n in self.host_params]
         self._staging: dict[int, torch.Tensor] = {}
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.block_bytes = [sum(t.numel() * (itemsize if t.is_floating_point()
-                                             else t.element_size()) for t in b.values())
-                            for b in self.host_blocks]
-        self.block_grad_bytes = [sum(self.host_blocks[i][n].numel() * itemsize for n in names)
-                                 for i, names in enumerate(self.block_param_names)]
-        self.submodel_bytes = [sum(self.block_bytes[i] for i in s.blocks)
-                               for s in self.plan.submodels]
+        self.block_bytes = [
+            sum(
+                t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+                for t in b.values()
+            )
+            for b in self.host_blocks
+        ]
+        self.block_grad_bytes = [
+            sum(self.host_blocks[i][n].numel() * itemsize for n in names)
+            for i, names in enumerate(self.block_param_names)
+        ]
+        self.submodel_bytes = [
+            sum(self.block_bytes[i] for i in s.blocks) for s in self.plan.submodels
+        ]
 
     def _host_source(self, t: torch.Tensor) -> torch.Tensor:
         """What a load copies from: the master itself, or its low-precision staging copy."""
@@ -206,8 +224,9 @@ class SwapEngine:
         self.memory.reserve(nbytes, f"parameters of sub-model {k}")
         sub = self.plan.submodels[k]
         gate = self.gates.get(k)
-        host = [{n: self._host_source(t) for n, t in self.host_blocks[i].items()}
-                for i in sub.blocks]
+        host = [
+            {n: self._host_source(t) for n, t in self.host_blocks[i].items()} for i in sub.blocks
+        ]
         return self.copier.load(k, host, nbytes, before=gate.result if gate else None)
 
     def _prefetch(self, k: int) -> None:
@@ -241,13 +260,20 @@ class SwapEngine:
             grads = tensor_bytes([self.host_outer[n] for n in self.outer_param_names])
             if self.dtype != torch.float32:
                 grads //= 2
-            params = sum(t.numel() * (torch.empty((), dtype=self.dtype).element_size()
-                                      if t.is_floating_point() else t.element_size())
-                         for t in self.host_outer.values())
+            params = sum(
+                t.numel()
+                * (
+                    torch.empty((), dtype=self.dtype).element_size()
+                    if t.is_floating_point()
+                    else t.element_size()
+                )
+                for t in self.host_outer.values()
+            )
             self._outer_bytes = params + grads
             self.memory.reserve(self._outer_bytes, "outer parameters and gradients")
-            dev = {n: self.copier._to_device(self._host_source(t))
-                   for n, t in self.host_outer.items()}
+            dev = {
+                n: self.copier._to_device(self._host_source(t)) for n, t in self.host_outer.items()
+            }
             for n in self.outer_param_names:
                 dev[n].requires_grad_(True)
             self._outer_dev = dev
@@ -274,8 +300,9 @@ class SwapEngine:
 
     # ----- a pass: the model's forward with proxies, then its backward -------------------------
 
-    def run_pass(self, x: torch.Tensor, y: torch.Tensor, weight: float, first: bool,
-                 final: bool) -> float:
+    def run_pass(
+        self, x: torch.Tensor, y: torch.Tensor, weight: float, first: bool, final: bool
+    ) -> float:
         """Forward and backward of one pass; gradients land in the host parameters' `.grad`
         (replacing them when `first`, accumulating otherwise). Returns the pass's loss."""
         self._first_pass, self._final_pass = first, final
@@ -283,10 +310,13 @@ class SwapEngine:
         self._grad_futures.clear()
         outer = self._load_outer()
         exclude = {t.untyped_storage().data_ptr() for t in outer.values()}
-        with self.layout.replaced(lambda i: _BlockProxy(self, i)), \
-                count_saved_bytes(exclude) as saved:
-            loss = extract_loss(functional_call(self.model, outer,
-                                                (x.to(self.device), y.to(self.device))))
+        with (
+            self.layout.replaced(lambda i: _BlockProxy(self, i)),
+            count_saved_bytes(exclude) as saved,
+        ):
+            loss = extract_loss(
+                functional_call(self.model, outer, (x.to(self.device), y.to(self.device)))
+            )
         self.memory.reserve(saved[0], "outer activations")
         try:
             (loss * weight).backward()
@@ -329,10 +359,13 @@ class SwapEngine:
             if k + 1 < len(self.plan.submodels):
                 self._prefetch(k + 1)
         if torch.is_grad_enabled():
-            if any(isinstance(a, torch.Tensor) and a.requires_grad
-                   for a in (*rest, *kwargs.values())):
-                raise AtomError(f"block {i} takes a second input that needs a gradient; the "
-                                "engine passes only the first input's gradient")
+            if any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in (*rest, *kwargs.values())
+            ):
+                raise AtomError(
+                    f"block {i} takes a second input that needs a gradient; the "
+                    "engine passes only the first input's gradient"
+                )
             h = _SwappedBlock.apply(x, self, i, rest, kwargs)
         else:
             h = self._call(i, x, rest, kwargs)
@@ -355,17 +388,21 @@ class SwapEngine:
         key = (i, local)
         self._stashed[key] = g if key not in self._stashed else self._stashed[key] + g
 
-    def _call(self, i: int, x: torch.Tensor, rest: tuple, kwargs: dict,
-              fetched: bool = False) -> torch.Tensor:
+    def _call(
+        self, i: int, x: torch.Tensor, rest: tuple, kwargs: dict, fetched: bool = False
+    ) -> torch.Tensor:
         params = self._device_tensors(i)
         if fetched:  # parameters as _FetchParam nodes, buffers as they are
             names = self.block_param_names[i]
-            params = {n: _FetchParam.apply(self._anchor, self, i, n) if n in names else t
-                      for n, t in params.items()}
+            params = {
+                n: _FetchParam.apply(self._anchor, self, i, n) if n in names else t
+                for n, t in params.items()
+            }
         out = functional_call(self.blocks[i], params, (x, *rest), kwargs)
         if isinstance(out, tuple):
-            self._tails[i] = tuple(o.detach() if isinstance(o, torch.Tensor) else o
-                                   for o in out[1:])
+            self._tails[i] = tuple(
+                o.detach() if isinstance(o, torch.Tensor) else o for o in out[1:]
+            )
             return out[0]
         self._tails[i] = None
         return out
@@ -410,8 +447,9 @@ class SwapEngine:
 
     def _local_of(self, i: int, t: torch.Tensor) -> str:
         ptr = t.untyped_storage().data_ptr()
-        return next(n for n, d in self._device_tensors(i).items()
-                    if d.untyped_storage().data_ptr() == ptr)
+        return next(
+            n for n, d in self._device_tensors(i).items() if d.untyped_storage().data_ptr() == ptr
+        )
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         kind, value = packed
@@ -420,7 +458,8 @@ class SwapEngine:
         if kind == "param":  # the same view, of the copy resident now
             local, (shape, stride, offset) = value
             return self._device_tensor(self._unpacking_block, local).as_strided(
-                shape, stride, offset)
+                shape, stride, offset
+            )
         restored = value.to(self.device, copy=True)
         nbytes = restored.numel() * restored.element_size()
         self.memory.reserve(nbytes, f"restored activations of block {self._unpacking_block}")
@@ -439,8 +478,11 @@ class SwapEngine:
         self.memory.reserve(self.block_grad_bytes[i], f"gradients of block {i}")
         if sub.policy is Policy.RECOMPUTE:
             xd = self._restore_input(ctx)
-            with torch.enable_grad(), self._replay_rng(ctx.rng), \
-                    count_saved_bytes(self._param_storages(i)) as work:
+            with (
+                torch.enable_grad(),
+                self._replay_rng(ctx.rng),
+                count_saved_bytes(self._param_storages(i)) as work,
+            ):
                 y = self._call(i, xd, ctx.rest, ctx.kwargs)
             self.memory.reserve(work[0], f"recomputed activations of block {i}")
             try:
@@ -495,8 +537,9 @@ class SwapEngine:
             if ready is not None and self.d2h_stream is not None:
                 self.d2h_stream.wait_event(ready)
                 with torch.cuda.stream(self.d2h_stream):
-                    host = [(h, g.to("cpu", dtype=torch.float32, non_blocking=True))
-                            for h, g in pairs]
+                    host = [
+                        (h, g.to("cpu", dtype=torch.float32, non_blocking=True)) for h, g in pairs
+                    ]
                 self.d2h_stream.synchronize()
             else:
                 host = [(h, g.to(torch.float32)) for h, g in pairs]

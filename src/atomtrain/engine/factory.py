@@ -33,23 +33,39 @@ def choose_plan(model: nn.Module, cfg: RunConfig, device: torch.device) -> Execu
         try:
             policy = Policy(ec.policy)
         except ValueError:
-            raise AtomError(f"engine.policy must be keep, offload or recompute, "
-                            f"got {ec.policy!r}") from None
+            raise AtomError(
+                f"engine.policy must be keep, offload or recompute, got {ec.policy!r}"
+            ) from None
         return ExecutionPlan.even(n_blocks, ec.submodels, policy)
-    prof = cached_profile(model, cfg.train.micro_batch_rows, cfg.data.seq_len, device,
-                          DTYPES[ec.param_dtype], cache_dir() / "profiles", ec.blocks)
+    prof = cached_profile(
+        model,
+        cfg.train.micro_batch_rows,
+        cfg.data.seq_len,
+        device,
+        DTYPES[ec.param_dtype],
+        cache_dir() / "profiles",
+        ec.blocks,
+    )
     plan = plan_dp(prof, budget, micro_batches, ec.max_blocks_per_submodel)
     pred = predict(prof, plan, micro_batches)
-    log.info("plan: %s, %d micro-batches per load; predicted step %.3fs (bound %.3fs), "
-             "peak %d of %d bytes", plan.describe(), plan.micro_batches_per_load, pred.step_s,
-             pred.lower_bound_s, pred.peak_bytes, budget)
+    log.info(
+        "plan: %s, %d micro-batches per load; predicted step %.3fs (bound %.3fs), "
+        "peak %d of %d bytes",
+        plan.describe(),
+        plan.micro_batches_per_load,
+        pred.step_s,
+        pred.lower_bound_s,
+        pred.peak_bytes,
+        budget,
+    )
     return plan
 
 
 def check_engine_section(ec: EngineSection) -> None:
     if ec.param_dtype not in DTYPES:
-        raise AtomError(f"engine.param_dtype must be one of {', '.join(DTYPES)}, "
-                        f"got {ec.param_dtype!r}")
+        raise AtomError(
+            f"engine.param_dtype must be one of {', '.join(DTYPES)}, got {ec.param_dtype!r}"
+        )
     if ec.submodels < 0 or ec.max_blocks_per_submodel < 1:
         raise AtomError("engine.submodels must be >= 0 and engine.max_blocks_per_submodel >= 1")
 
@@ -59,6 +75,7 @@ def swap_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.devi
     check_engine_section(cfg.engine)
     budget = parse_bytes(cfg.engine.device_memory)
     plan = choose_plan(model, cfg, device)
-    engine = SwapEngine(model, plan, EngineConfig(budget, cfg.engine.param_dtype,
-                                                  cfg.engine.blocks), device)
+    engine = SwapEngine(
+        model, plan, EngineConfig(budget, cfg.engine.param_dtype, cfg.engine.blocks), device
+    )
     return SwapRunner(engine, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip)

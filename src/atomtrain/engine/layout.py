@@ -81,6 +81,10 @@ def find_blocks(model: nn.Module, path: str | None = None) -> BlockLayout:
                 "name the container explicitly (engine.blocks=...)"
             )
         path, container = max(found, key=lambda nc: sum(p.numel() for p in nc[1].parameters()))
-    keys = [str(k) for k in (range(len(container)) if isinstance(container, nn.ModuleList)
-                             else container.keys())]
+    keys = [
+        str(k)
+        for k in (
+            range(len(container)) if isinstance(container, nn.ModuleList) else container.keys()
+        )
+    ]
     return BlockLayout(model, path, container, keys)

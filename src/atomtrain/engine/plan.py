@@ -5,6 +5,7 @@ The planner (planner/) chooses a plan; the engine only follows it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -53,12 +54,17 @@ class ExecutionPlan:
             raise AtomError("plan's micro_batches_per_load must be at least 1")
 
     @classmethod
-    def even(cls, num_blocks: int, num_submodels: int, policy: Policy = Policy.RECOMPUTE,
-             micro_batches_per_load: int = 1) -> ExecutionPlan:
+    def even(
+        cls,
+        num_blocks: int,
+        num_submodels: int,
+        policy: Policy = Policy.RECOMPUTE,
+        micro_batches_per_load: int = 1,
+    ) -> ExecutionPlan:
         """Blocks split as evenly as possible into `num_submodels` runs."""
         n = max(1, min(num_submodels, num_blocks))
         cuts = [num_blocks * k // n for k in range(n + 1)]
-        subs = tuple(SubModel(a, b, policy) for a, b in zip(cuts, cuts[1:], strict=False))
+        subs = tuple(SubModel(a, b, policy) for a, b in itertools.pairwise(cuts))
         return cls(subs, micro_batches_per_load)
 
     def describe(self) -> str:

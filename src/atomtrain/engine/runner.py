@@ -19,8 +19,9 @@ from atomtrain.train.runner import split_rows
 
 
 class SwapRunner:
-    def __init__(self, engine: SwapEngine, optimizer: AdamW, micro_batch_rows: int,
-                 grad_clip: float) -> None:
+    def __init__(
+        self, engine: SwapEngine, optimizer: AdamW, micro_batch_rows: int, grad_clip: float
+    ) -> None:
         self.engine = engine
         self.optimizer = optimizer
         self.micro = micro_batch_rows
@@ -29,8 +30,9 @@ class SwapRunner:
         self._lr = 0.0
         self._overlap = False
         self.names = [list(names.values()) for names in engine.block_param_names]
-        self.submodel_names = [[n for i in s.blocks for n in self.names[i]]
-                               for s in engine.plan.submodels]
+        self.submodel_names = [
+            [n for i in s.blocks for n in self.names[i]] for s in engine.plan.submodels
+        ]
         engine.on_grads_ready = self._grads_ready
 
     def _schedule(self, k: int, names: list[str], scale: float, wait: list[Future]) -> None:

@@ -61,8 +61,9 @@ class Loaded:
 class Copier:
     """Runs copies on one worker in submission order; `load` returns once the copy has begun."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, trace: Trace,
-                 name: str = "atom-copy") -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, trace: Trace, name: str = "atom-copy"
+    ) -> None:
         self.device = device
         self.dtype = dtype
         self.trace = trace
@@ -74,8 +75,13 @@ class Copier:
         # copy=True: on the CPU the "device" copy must be a buffer of its own, as on a GPU.
         return t.detach().to(self.device, dtype=dtype, non_blocking=True, copy=True)
 
-    def load(self, k: int, host: list[dict[str, torch.Tensor]], nbytes: int,
-             before: Callable[[], None] | None = None) -> Future[Loaded]:
+    def load(
+        self,
+        k: int,
+        host: list[dict[str, torch.Tensor]],
+        nbytes: int,
+        before: Callable[[], None] | None = None,
+    ) -> Future[Loaded]:
         started = threading.Event()
 
         def work() -> Loaded:

@@ -46,8 +46,7 @@ class SubModelCost:
     """Device bytes that come and go during its backward."""
 
 
-def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy,
-                  m: int) -> SubModelCost:
+def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy, m: int) -> SubModelCost:
     blocks = prof.blocks[start:end]
     params = sum(b.param_bytes for b in blocks)
     grads = sum(b.grad_bytes for b in blocks)
@@ -64,8 +63,16 @@ def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy,
     else:
         bwd += fwd
         saved, work = m * sum(b.input_bytes for b in blocks), max_saved
-    return SubModelCost(params, grads, params / prof.h2d_bytes_per_s, grads / prof.d2h_bytes_per_s,
-                        fwd, bwd, saved, work)
+    return SubModelCost(
+        params,
+        grads,
+        params / prof.h2d_bytes_per_s,
+        grads / prof.d2h_bytes_per_s,
+        fwd,
+        bwd,
+        saved,
+        work,
+    )
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,9 @@ def predict(prof: ModelProfile, plan: ExecutionPlan, micro_batches: int) -> Pred
     step = costs[0].load_s + passes * per_pass
     peak = _outer_bytes(prof, m) + sum(c.saved for c in costs) + window
     plain = [submodel_cost(prof, s.start, s.end, Policy.KEEP, m) for s in plan.submodels]
-    compute = passes * (sum(c.fwd_s + c.bwd_s for c in plain)
-                        + m * (prof.outer_fwd_s + prof.outer_bwd_s))
+    compute = passes * (
+        sum(c.fwd_s + c.bwd_s for c in plain) + m * (prof.outer_fwd_s + prof.outer_bwd_s)
+    )
     transfer = (passes * 2 - 1) * sum(c.load_s for c in costs)
     return Prediction(step, max(compute, transfer), peak, passes, tuple(costs))
 
@@ -116,8 +124,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_brute_force(prof: ModelProfile, budget: int, micro_batches: int,
-                     max_len: int = MAX_BLOCKS_PER_SUBMODEL) -> ExecutionPlan:
+def plan_brute_force(
+    prof: ModelProfile, budget: int, micro_batches: int, max_len: int = MAX_BLOCKS_PER_SUBMODEL
+) -> ExecutionPlan:
     """Every composition of the blocks, every policy per sub-model, every m: small N only."""
     N = len(prof.blocks)
     best: tuple[float, ExecutionPlan] | None = None
@@ -128,8 +137,9 @@ def plan_brute_force(prof: ModelProfile, budget: int, micro_batches: int,
             if any(b - a > max_len for a, b in spans):
                 continue
             for pols in itertools.product(POLICIES, repeat=len(spans)):
-                plan = ExecutionPlan(tuple(SubModel(a, b, p)
-                                           for (a, b), p in zip(spans, pols, strict=True)), m)
+                plan = ExecutionPlan(
+                    tuple(SubModel(a, b, p) for (a, b), p in zip(spans, pols, strict=True)), m
+                )
                 pred = predict(prof, plan, micro_batches)
                 if pred.peak_bytes <= budget and (best is None or pred.step_s < best[0] - 1e-15):
                     best = (pred.step_s, plan)
@@ -153,14 +163,22 @@ def _pareto_insert(front: list[_Label], new: _Label) -> None:
         if old.time <= new.time and old.saved <= new.saved and old.window <= new.window:
             return
     if front:
-        front[:] = [o for o in front if not (new.time <= o.time and new.saved <= o.saved
-                                             and new.window <= o.window)]
+        front[:] = [
+            o
+            for o in front
+            if not (new.time <= o.time and new.saved <= o.saved and new.window <= o.window)
+        ]
     front.append(new)
 
 
-def _plan_for_m(prof: ModelProfile, budget: int, micro_batches: int, m: int,
-                max_len: int = MAX_BLOCKS_PER_SUBMODEL,
-                known: float | None = None) -> tuple[float, ExecutionPlan] | None:
+def _plan_for_m(
+    prof: ModelProfile,
+    budget: int,
+    micro_batches: int,
+    m: int,
+    max_len: int = MAX_BLOCKS_PER_SUBMODEL,
+    known: float | None = None,
+) -> tuple[float, ExecutionPlan] | None:
     N = len(prof.blocks)
     passes = micro_batches // m
     room = budget - _outer_bytes(prof, m)
@@ -185,8 +203,9 @@ def _plan_for_m(prof: ModelProfile, budget: int, micro_batches: int, m: int,
         # KEEP and RECOMPUTE sub-models cost their successors alike: one state for both.
         key = (key[0], key[1], Policy.OFFLOAD if key[2] is Policy.OFFLOAD else Policy.KEEP)
         last = lab.plan[-1]
-        if lab.time + cost[last.start, last.end, last.policy].fwd_s + rest_s[key[0]] \
-                + outer_s > bound * (1 + 1e-12):
+        if lab.time + cost[last.start, last.end, last.policy].fwd_s + rest_s[
+            key[0]
+        ] + outer_s > bound * (1 + 1e-12):
             return
         front = fronts.setdefault(key, [])
         best_safe = safe_time.get(key)
@@ -229,10 +248,15 @@ def _plan_for_m(prof: ModelProfile, budget: int, micro_batches: int, m: int,
                             saved = lab.saved + nxt.saved
                             if saved + window > room:
                                 continue
-                            t = (lab.time + max(prev.fwd_s, nxt.load_s)
-                                 + max(nxt.bwd_s, prev.load_s, nxt.grad_s))
-                            insert((stop, end, npol), _Label(t, saved, window,
-                                                             (*lab.plan, SubModel(end, stop, npol))))
+                            t = (
+                                lab.time
+                                + max(prev.fwd_s, nxt.load_s)
+                                + max(nxt.bwd_s, prev.load_s, nxt.grad_s)
+                            )
+                            insert(
+                                (stop, end, npol),
+                                _Label(t, saved, window, (*lab.plan, SubModel(end, stop, npol))),
+                            )
     best: tuple[float, ExecutionPlan] | None = None
     for (end, start, _), front in fronts.items():
         if end != N:
@@ -244,8 +268,9 @@ def _plan_for_m(prof: ModelProfile, budget: int, micro_batches: int, m: int,
     return best
 
 
-def _best_uniform(prof: ModelProfile, budget: int, micro_batches: int, m: int,
-                  max_len: int) -> float | None:
+def _best_uniform(
+    prof: ModelProfile, budget: int, micro_batches: int, m: int, max_len: int
+) -> float | None:
     """Predicted step time of the best simple plan that fits, if any: equal sub-models, the
     first j kept and the rest under one other policy (j as large as fits)."""
     N = len(prof.blocks)
@@ -254,9 +279,15 @@ def _best_uniform(prof: ModelProfile, budget: int, micro_batches: int, m: int,
         cuts = [*range(0, N, length), N]
         spans = list(itertools.pairwise(cuts))
         for other in POLICIES:
-            def plan(j: int) -> ExecutionPlan:
-                return ExecutionPlan(tuple(SubModel(a, b, Policy.KEEP if n < j else other)
-                                           for n, (a, b) in enumerate(spans)), m)
+
+            def plan(j: int, spans: list = spans, other: Policy = other) -> ExecutionPlan:
+                return ExecutionPlan(
+                    tuple(
+                        SubModel(a, b, Policy.KEEP if n < j else other)
+                        for n, (a, b) in enumerate(spans)
+                    ),
+                    m,
+                )
 
             lo, hi = 0, len(spans)  # largest j whose plan fits: peak grows with j
             if predict(prof, plan(0), micro_batches).peak_bytes > budget:
@@ -272,14 +303,14 @@ def _best_uniform(prof: ModelProfile, budget: int, micro_batches: int, m: int,
     return best
 
 
-def plan_dp(prof: ModelProfile, budget: int, micro_batches: int,
-            max_len: int = MAX_BLOCKS_PER_SUBMODEL) -> ExecutionPlan:
+def plan_dp(
+    prof: ModelProfile, budget: int, micro_batches: int, max_len: int = MAX_BLOCKS_PER_SUBMODEL
+) -> ExecutionPlan:
     """The plan with the least predicted step time whose predicted peak fits `budget`, among
     plans whose sub-models have at most `max_len` blocks."""
     best: tuple[float, ExecutionPlan] | None = None
     for m in _divisors(micro_batches):
-        found = _plan_for_m(prof, budget, micro_batches, m, max_len,
-                            best[0] if best else None)
+        found = _plan_for_m(prof, budget, micro_batches, m, max_len, best[0] if best else None)
         if found and (best is None or found[0] < best[0] - 1e-15):
             best = found
     if best is None:
@@ -300,9 +331,12 @@ def no_fit_reason(prof: ModelProfile, budget: int) -> NoPlanFits:
         return NoPlanFits(
             f"no plan fits {fmt_bytes(budget)}: block {worst} alone needs {fmt_bytes(need)} "
             f"(its parameters, gradients and workspace with the resident outer part of "
-            f"{fmt_bytes(outer)}), {fmt_bytes(need - budget)} more than the budget")
-    return NoPlanFits(f"no plan fits {fmt_bytes(budget)}: even one block at a time with every "
-                      "activation offloaded exceeds it; lower the micro-batch or sequence length")
+            f"{fmt_bytes(outer)}), {fmt_bytes(need - budget)} more than the budget"
+        )
+    return NoPlanFits(
+        f"no plan fits {fmt_bytes(budget)}: even one block at a time with every "
+        "activation offloaded exceeds it; lower the micro-batch or sequence length"
+    )
 
 
 def fmt_bytes(n: float) -> str:
@@ -316,14 +350,22 @@ def fmt_bytes(n: float) -> str:
 def parse_bytes(text: str) -> int:
     """`24GB`, `24GiB`, `512MB`, `1.5e9`: decimal units for GB/MB, binary for GiB/MiB."""
     t = text.strip().upper().replace(" ", "")
-    units = {"TIB": 1 << 40, "GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10,
-             "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    for suffix, mult in units.items():
+    units = {
+        "TIB": 1 << 40,
+        "GIB": 1 << 30,
+        "MIB": 1 << 20,
+        "KIB": 1 << 10,
+        "TB": 10**12,
+        "GB": 10**9,
+        "MB": 10**6,
+        "KB": 10**3,
+        "B": 1,
+    }
+    num, mult = t, 1
+    for suffix, unit in units.items():
         if t.endswith(suffix):
-            num = t[: -len(suffix)]
+            num, mult = t[: -len(suffix)], unit
             break
-    else:
-        num, mult = t, 1
     try:
         value = float(num) * mult
     except ValueError:

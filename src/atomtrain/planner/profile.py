@@ -94,8 +94,9 @@ class DeviceSpec:
     name: str = "gpu"
 
 
-def analytic_profile(model_cfg: object, rows: int, seq_len: int, dev: DeviceSpec,
-                     dtype_bytes: int = 2) -> ModelProfile:
+def analytic_profile(
+    model_cfg: object, rows: int, seq_len: int, dev: DeviceSpec, dtype_bytes: int = 2
+) -> ModelProfile:
     """A GPT's costs from its shape: 2 FLOPs per parameter per token forward, twice that
     backward, plus causal attention; activations as in Korthikanti et al. with fused attention
     (34 bytes per token and channel in 16-bit, no T×T term)."""
@@ -105,19 +106,28 @@ def analytic_profile(model_cfg: object, rows: int, seq_len: int, dev: DeviceSpec
     fwd_flops = 2 * block_params * tokens + 2 * rows * seq_len * seq_len * C
     speed = dev.tflops * 1e12
     block = BlockCost(
-        fwd_s=fwd_flops / speed, bwd_s=2 * fwd_flops / speed,
-        param_bytes=block_params * dtype_bytes, grad_bytes=block_params * dtype_bytes,
-        input_bytes=tokens * C * dtype_bytes, saved_bytes=17 * tokens * C * dtype_bytes,
+        fwd_s=fwd_flops / speed,
+        bwd_s=2 * fwd_flops / speed,
+        param_bytes=block_params * dtype_bytes,
+        grad_bytes=block_params * dtype_bytes,
+        input_bytes=tokens * C * dtype_bytes,
+        saved_bytes=17 * tokens * C * dtype_bytes,
     )
     outer_params = V * C + model_cfg.block_size * C + 2 * C  # type: ignore[attr-defined]
     head_flops = 2 * V * C * tokens
     return ModelProfile(
-        blocks=(block,) * L, outer_param_bytes=outer_params * dtype_bytes,
+        blocks=(block,) * L,
+        outer_param_bytes=outer_params * dtype_bytes,
         outer_grad_bytes=outer_params * dtype_bytes,
         outer_saved_bytes=tokens * V * 4 * 2 + tokens * C * dtype_bytes,
-        outer_fwd_s=head_flops / speed, outer_bwd_s=2 * head_flops / speed,
-        h2d_bytes_per_s=dev.h2d_gbps * 1e9, d2h_bytes_per_s=dev.d2h_gbps * 1e9,
-        micro_batch_rows=rows, seq_len=seq_len, device=dev.name, measured=False,
+        outer_fwd_s=head_flops / speed,
+        outer_bwd_s=2 * head_flops / speed,
+        h2d_bytes_per_s=dev.h2d_gbps * 1e9,
+        d2h_bytes_per_s=dev.d2h_gbps * 1e9,
+        micro_batch_rows=rows,
+        seq_len=seq_len,
+        device=dev.name,
+        measured=False,
         notes={"source": f"analytic: {dev.tflops} TFLOP/s, {dev.h2d_gbps} GB/s host-to-device"},
     )
 
@@ -153,11 +163,13 @@ def measure_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[flo
     return nbytes / h2d, nbytes / d2h
 
 
-def _measure_block(block: nn.Module, x: torch.Tensor, dtype: torch.dtype,
-                   device: torch.device, reps: int) -> BlockCost:
-    tensors = {n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype,
-                                copy=True) for n, t in
-               [*block.named_parameters(), *block.named_buffers()]}
+def _measure_block(
+    block: nn.Module, x: torch.Tensor, dtype: torch.dtype, device: torch.device, reps: int
+) -> BlockCost:
+    tensors = {
+        n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+        for n, t in [*block.named_parameters(), *block.named_buffers()]
+    }
     names = {n for n, _ in block.named_parameters()}
     for n in names:
         tensors[n].requires_grad_(True)
@@ -180,28 +192,38 @@ def _measure_block(block: nn.Module, x: torch.Tensor, dtype: torch.dtype,
 
     total = _timed(fwd_bwd, device, reps)
     with count_saved_bytes(storages) as saved:
-        y = fwd_bwd_graph = functional_call(block, tensors, (x.detach().requires_grad_(),))
-    del y, fwd_bwd_graph
+        graph = functional_call(block, tensors, (x.detach().requires_grad_(),))
+    del graph
     itemsize = torch.empty((), dtype=dtype).element_size()
     pbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return BlockCost(
-        fwd_s=fwd_s, bwd_s=max(total - fwd_s, 1e-9), param_bytes=pbytes,
+        fwd_s=fwd_s,
+        bwd_s=max(total - fwd_s, 1e-9),
+        param_bytes=pbytes,
         grad_bytes=sum(tensors[n].numel() * itemsize for n in names),
-        input_bytes=x.numel() * x.element_size(), saved_bytes=saved[0],
+        input_bytes=x.numel() * x.element_size(),
+        saved_bytes=saved[0],
     )
 
 
-def measure_profile(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-                    dtype: torch.dtype = torch.float32, blocks_path: str = "",
-                    reps: int = 3) -> ModelProfile:
+def measure_profile(
+    model: nn.Module,
+    rows: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    blocks_path: str = "",
+    reps: int = 3,
+) -> ModelProfile:
     """Time each distinct block on the device and count the bytes it saves."""
     layout = find_blocks(model, blocks_path or None)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 256)
     idx = torch.randint(0, vocab, (rows, seq_len), device=device)
-    outer = {n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype,
-                              copy=True)
-             for n, t in [*model.named_parameters(), *model.named_buffers()]
-             if not layout.is_block_param(n)}
+    outer = {
+        n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if not layout.is_block_param(n)
+    }
     first_input: list[torch.Tensor] = []
 
     class Capture(nn.Module):  # the outer part alone: blocks as identities
@@ -216,6 +238,7 @@ def measure_profile(model: nn.Module, rows: int, seq_len: int, device: torch.dev
             t.requires_grad_(True)
     storages = {t.untyped_storage().data_ptr() for t in outer.values()}
     with layout.replaced(lambda i: Capture()):
+
         def outer_fwd() -> torch.Tensor:
             out = functional_call(model, outer, (idx, idx))
             return out[1] if isinstance(out, tuple) else out.loss
@@ -241,10 +264,15 @@ def measure_profile(model: nn.Module, rows: int, seq_len: int, device: torch.dev
         blocks=tuple(costs),
         outer_param_bytes=sum(t.numel() * t.element_size() for t in outer.values()),
         outer_grad_bytes=sum(t.numel() * itemsize for n, t in outer.items() if n in params),
-        outer_saved_bytes=osaved[0], outer_fwd_s=outer_fwd_s,
+        outer_saved_bytes=osaved[0],
+        outer_fwd_s=outer_fwd_s,
         outer_bwd_s=max(outer_total - outer_fwd_s, 1e-9),
-        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, micro_batch_rows=rows, seq_len=seq_len,
-        device=device_name(device), measured=True,
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        micro_batch_rows=rows,
+        seq_len=seq_len,
+        device=device_name(device),
+        measured=True,
     )
 
 
@@ -254,16 +282,33 @@ def device_name(device: torch.device) -> str:
     return f"cpu-{torch.get_num_threads()}threads"
 
 
-def profile_key(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-                dtype: torch.dtype) -> str:
+def profile_key(
+    model: nn.Module, rows: int, seq_len: int, device: torch.device, dtype: torch.dtype
+) -> str:
     shape = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    raw = json.dumps([type(model).__name__, shape, rows, seq_len, device_name(device), str(dtype),
-                      torch.__version__])
+    raw = json.dumps(
+        [
+            type(model).__name__,
+            shape,
+            rows,
+            seq_len,
+            device_name(device),
+            str(dtype),
+            torch.__version__,
+        ]
+    )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def cached_profile(model: nn.Module, rows: int, seq_len: int, device: torch.device,
-                   dtype: torch.dtype, cache_dir: Path, blocks_path: str = "") -> ModelProfile:
+def cached_profile(
+    model: nn.Module,
+    rows: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dir: Path,
+    blocks_path: str = "",
+) -> ModelProfile:
     """The measured profile from the cache, measuring (and caching) it on a miss."""
     path = cache_dir / f"{profile_key(model, rows, seq_len, device, dtype)}.json"
     if path.is_file():

@@ -1,0 +1,174 @@
+"""`atomtrain bench swap`: the same model and data trained plainly (all on the device) and through
+the swap engine under a budget that forces several sub-models.
+
+Both runners train their own copy from the same initial weights on the same batches, in
+interleaved rounds so that a noisy machine slows both alike. Numerics are checked on the first
+batch (gradients) and on every step (losses).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+
+from atomtrain.engine.engine import EngineConfig, SwapEngine
+from atomtrain.engine.factory import DTYPES
+from atomtrain.engine.runner import SwapRunner
+from atomtrain.models import GPT, GPTConfig
+from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.planner.partition import plan_dp, predict
+from atomtrain.planner.profile import ModelProfile, measure_profile
+from atomtrain.train.runner import PlainRunner
+
+
+@dataclass(frozen=True)
+class SwapBenchConfig:
+    """Shape and length of the swap benchmark (defaults: about a minute on 2 CPU cores)."""
+
+    preset: str = "small"
+    n_layer: int = 8
+    """Blocks (overrides the preset)."""
+    n_embd: int = 512
+    n_head: int = 8
+    seq_len: int = 64
+    rows: int = 16
+    """Sequences per micro-batch."""
+    micro_batches: int = 1
+    """Micro-batches per step."""
+    rounds: int = 5
+    steps_per_round: int = 3
+    device: str = "cpu"
+    param_dtype: str = "float32"
+    budget_bytes: int = 0
+    """Device budget (0: enough for the whole model's activations and two 2-block sub-models,
+    which forces at least N/2 sub-models)."""
+    seed: int = 0
+
+
+def default_budget(prof: ModelProfile, micro_batches: int) -> int:
+    pair = prof.blocks[:2]
+    window = 2 * sum(b.param_bytes for b in pair) + sum(b.grad_bytes for b in pair)
+    saved = sum(b.saved_bytes for b in prof.blocks)
+    outer = prof.outer_param_bytes + prof.outer_grad_bytes + prof.outer_saved_bytes
+    del micro_batches
+    return int((outer + saved + window) * 1.02)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_swap_bench(cfg: SwapBenchConfig) -> dict:
+    device = torch.device(cfg.device)
+    mc = GPTConfig.from_name(
+        cfg.preset,
+        n_layer=cfg.n_layer,
+        n_embd=cfg.n_embd,
+        n_head=cfg.n_head,
+        block_size=max(cfg.seq_len, 8),
+    )
+    torch.manual_seed(cfg.seed)
+    host_model = GPT(mc)
+    plain_model = copy.deepcopy(host_model).to(device)
+    dtype = DTYPES[cfg.param_dtype]
+    prof = measure_profile(host_model, cfg.rows, cfg.seq_len, device, dtype)
+    budget = cfg.budget_bytes or default_budget(prof, cfg.micro_batches)
+    plan = plan_dp(prof, budget, cfg.micro_batches)
+    pred = predict(prof, plan, cfg.micro_batches)
+    engine = SwapEngine(host_model, plan, EngineConfig(budget, cfg.param_dtype), device)
+    total_rows = cfg.rows * cfg.micro_batches
+    gen = torch.Generator().manual_seed(cfg.seed)
+    steps = cfg.rounds * cfg.steps_per_round + 1
+    batches = [
+        (
+            torch.randint(0, mc.vocab_size, (total_rows, cfg.seq_len), generator=gen),
+            torch.randint(0, mc.vocab_size, (total_rows, cfg.seq_len), generator=gen),
+        )
+        for _ in range(steps)
+    ]
+    # Gradients on the first batch, before any update.
+    x0, y0 = batches[0]
+    _, loss = plain_model(x0.to(device), y0.to(device))
+    loss.backward()
+    g_plain = _grads(plain_model)
+    engine.run_pass(x0, y0, 1.0, first=True, final=True)
+    engine.finish_step()
+    g_swap = _grads(host_model)
+    rel = max(
+        float(
+            (g_plain[n].float().cpu() - g_swap[n].float()).abs().max()
+            / g_plain[n].float().abs().max().clamp_min(1e-12)
+        )
+        for n in g_plain
+    )
+    plain = PlainRunner(
+        plain_model,
+        AdamW(dict(plain_model.named_parameters()), AdamWConfig()),
+        cfg.rows,
+        1.0,
+        device,
+    )
+    swap = SwapRunner(
+        engine, AdamW(dict(host_model.named_parameters()), AdamWConfig()), cfg.rows, 1.0
+    )
+    engine.memory.reset_peak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = {"plain": 0.0, "swap": 0.0}
+    losses: dict[str, list[float]] = {"plain": [], "swap": []}
+    runners: dict[str, PlainRunner | SwapRunner] = {"plain": plain, "swap": swap}
+    cursor = {"plain": 0, "swap": 0}
+
+    def run(name: str, n: int) -> None:
+        runner = runners[name]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x, y = batches[cursor[name]]
+            cursor[name] += 1
+            losses[name].append(runner.train_step(x, y, 1e-3)["loss"])
+        if name == "swap":
+            swap.sync()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times[name] += time.perf_counter() - t0
+
+    run("plain", 1)  # warm-up step for both, not timed below
+    run("swap", 1)
+    times = {"plain": 0.0, "swap": 0.0}
+    for _ in range(cfg.rounds):
+        run("plain", cfg.steps_per_round)
+        run("swap", cfg.steps_per_round)
+    tokens = cfg.rounds * cfg.steps_per_round * total_rows * cfg.seq_len
+    resident = tokens / times["plain"]
+    swapped = tokens / times["swap"]
+    n_params = sum(p.numel() for p in host_model.parameters())
+    swap.close()
+    result = {
+        "resident_tokens_per_s": resident,
+        "swapped_tokens_per_s": swapped,
+        "ratio": swapped / resident,
+        "budget_bytes": budget,
+        "model_bytes": n_params * 4 * 4,  # fp32 parameters, gradients, two AdamW moments
+        "peak_device_bytes": engine.memory.peak,
+        "num_submodels": len(plan.submodels),
+        "max_abs_loss_diff": max(
+            abs(a - b) for a, b in zip(losses["plain"], losses["swap"], strict=True)
+        ),
+        "max_rel_grad_diff": rel,
+        "plan": plan.describe(),
+        "micro_batches_per_load": plan.micro_batches_per_load,
+        "predicted_step_s": pred.step_s,
+        "predicted_peak_bytes": pred.peak_bytes,
+        "device": prof.device,
+        "model": {"n_layer": mc.n_layer, "n_embd": mc.n_embd, "parameters": n_params},
+        "tokens_per_step": total_rows * cfg.seq_len,
+        "timed_steps": cfg.rounds * cfg.steps_per_round,
+    }
+    if device.type == "cuda":
+        result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    return result

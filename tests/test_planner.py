@@ -1,0 +1,91 @@
+"""The planner: exact against brute force, clear when nothing fits, quick on GPT-3 sizes."""
+
+import random
+import time
+
+import pytest
+
+from atomtrain.errors import AtomError
+from atomtrain.models import GPTConfig
+from atomtrain.planner.partition import (
+    NoPlanFits,
+    parse_bytes,
+    plan_brute_force,
+    plan_dp,
+    predict,
+)
+from atomtrain.planner.profile import BlockCost, DeviceSpec, ModelProfile, analytic_profile
+
+
+def random_profile(rng: random.Random, n: int) -> ModelProfile:
+    blocks = tuple(
+        BlockCost(
+            fwd_s=rng.uniform(0.5, 2),
+            bwd_s=rng.uniform(1, 4),
+            param_bytes=rng.randint(50, 200),
+            grad_bytes=rng.randint(50, 200),
+            input_bytes=rng.randint(5, 30),
+            saved_bytes=rng.randint(20, 120),
+        )
+        for _ in range(n)
+    )
+    return ModelProfile(
+        blocks,
+        40,
+        40,
+        30,
+        0.3,
+        0.6,
+        h2d_bytes_per_s=rng.uniform(50, 300),
+        d2h_bytes_per_s=rng.uniform(50, 300),
+        micro_batch_rows=1,
+        seq_len=1,
+        device="test",
+        measured=False,
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dynamic_program_is_optimal_against_brute_force(seed: int):
+    rng = random.Random(seed)
+    prof = random_profile(rng, rng.randint(1, 6))
+    micro = rng.choice([1, 2, 4])
+    budget = rng.randint(500, 1500)
+    try:
+        brute = predict(prof, plan_brute_force(prof, budget, micro, 3), micro).step_s
+    except NoPlanFits:
+        with pytest.raises(NoPlanFits):
+            plan_dp(prof, budget, micro, 3)
+        return
+    plan = plan_dp(prof, budget, micro, 3)
+    pred = predict(prof, plan, micro)
+    assert pred.peak_bytes <= budget
+    assert pred.step_s == pytest.approx(brute, rel=1e-12)
+    assert pred.step_s >= pred.lower_bound_s * (1 - 1e-12)
+
+
+def test_a_block_too_big_is_named_with_the_missing_bytes():
+    prof = random_profile(random.Random(0), 3)
+    big = BlockCost(1, 2, 10_000, 10_000, 10, 10)
+    prof = ModelProfile((*prof.blocks, big), 40, 40, 30, 0.3, 0.6, 100, 100, 1, 1, "t", False)
+    with pytest.raises(NoPlanFits, match=r"block 3 alone needs .* more than the budget"):
+        plan_dp(prof, 5_000, 1)
+
+
+@pytest.mark.parametrize("name", ["gpt3-13b", "gpt3-175b"])
+def test_gpt3_plans_on_a_24gb_device_within_seconds(name: str):
+    cfg = GPTConfig.from_name(name)
+    prof = analytic_profile(cfg, 1, 2048, DeviceSpec(24 * 10**9))
+    t0 = time.perf_counter()
+    plan = plan_dp(prof, 24 * 10**9, 8)
+    assert time.perf_counter() - t0 < 30
+    pred = predict(prof, plan, 8)
+    assert pred.peak_bytes <= 24 * 10**9 and len(plan.submodels) > 1
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GB") == 24 * 10**9
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes("1.5e3") == 1500
+    with pytest.raises(AtomError, match="cannot read"):
+        parse_bytes("lots")
