@@ -69,7 +69,7 @@ def test_resume_continues_exactly(prepared: Path, tmp_path: Path):
     whole = open_session(config(prepared, tmp_path / "a", "--train.steps=20"))
     whole.trainer.fit()
     first = open_session(config(prepared, tmp_path / "b", "--train.steps=20"))
-    first.trainer.after_step = lambda st: st.step == 10 and first.trainer.stop.set()
+    first.trainer.after_step = lambda st, rec: st.step == 10 and first.trainer.stop.set()
     first.trainer.fit()
     assert first.trainer.state.step == 10
     resumed = open_session(

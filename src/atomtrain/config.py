@@ -90,6 +90,42 @@ class EngineSection:
 
 
 @dataclass(frozen=True)
+class PeerSection:
+    """Decentralized training: on when `swarm` is set."""
+
+    swarm: str = ""
+    """Swarm name: peers with the same name average together (empty: train alone)."""
+    join: str = ""
+    """Comma-separated multiaddrs of live peers to join (empty: start a new swarm)."""
+    host: str = "127.0.0.1"
+    """Address this peer listens on."""
+    port: int = 0
+    """Port this peer listens on (0: any free port)."""
+    index: int = 0
+    """This peer's index, for its data slice and its name."""
+    num_peers: int = 1
+    """Peers the data is split between (each reads its own slice)."""
+    sync_every: int = 20
+    """Local steps between averaging rounds (H)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer Nesterov step (DiLoCo's default)."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer Nesterov step."""
+    compression: str = "float16"
+    """Compression of averaged updates: float16 or none."""
+    matchmaking_s: float = 3.0
+    """Time a round waits to gather a group."""
+    averaging_timeout_s: float = 30.0
+    """Longest a round may take before it counts as failed and training goes on alone."""
+    target_group_size: int = 16
+    """Largest group a round forms."""
+    final_sync: bool = True
+    """Wait for one last round at the end, so that finishing peers agree."""
+    wait_for: int = 0
+    """Before the first step, wait (up to a minute) until this many peers are in the swarm."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -97,6 +133,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     engine: EngineSection = field(default_factory=EngineSection)
+    peer: PeerSection = field(default_factory=PeerSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

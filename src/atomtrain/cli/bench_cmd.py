@@ -25,6 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", default="", help="budget (default: forces sub-models)")
     p.set_defaults(func=run_swap)
 
+    c = bsub.add_parser("churn", help="a swarm with a peer killed mid-round and peers joining")
+    c.add_argument("--json", action="store_true", help="print only the JSON result")
+    c.add_argument("--peers", type=int, default=3)
+    c.add_argument("--steps", type=int, default=240)
+    c.add_argument("--sync-every", type=int, default=10)
+    c.add_argument("--out-dir", default="runs/bench-churn", help="where the peers' runs go")
+    c.set_defaults(func=run_churn)
+
 
 def _emit(result: dict, as_json: bool) -> None:
     if as_json:
@@ -53,4 +61,17 @@ def run_swap(args: argparse.Namespace, _extra: list[str]) -> int:
         budget_bytes=parse_bytes(args.device_memory) if args.device_memory else 0,
     )
     _emit(run_swap_bench(cfg), args.json)
+    return 0
+
+
+def run_churn(args: argparse.Namespace, _extra: list[str]) -> int:
+    import shutil
+    from pathlib import Path
+
+    from atomtrain.peer.churn import ChurnConfig, run_churn
+
+    out = Path(args.out_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = ChurnConfig(peers=args.peers, steps=args.steps, sync_every=args.sync_every)
+    _emit(run_churn(cfg, out).result, args.json)
     return 0

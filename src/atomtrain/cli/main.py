@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from atomtrain.errors import AtomError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from atomtrain.cli import bench_cmd, data_cmd, plan_cmd, sample_cmd, train_cmd
+    from atomtrain.cli import bench_cmd, data_cmd, plan_cmd, sample_cmd, swarm_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="atomtrain",
@@ -18,12 +19,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, sample_cmd, data_cmd, plan_cmd, bench_cmd):
+    for module in (train_cmd, swarm_cmd, sample_cmd, data_cmd, plan_cmd, bench_cmd):
         module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # hivemind logs expected events (a round without a group, a peer gone) as errors with
+    # tracebacks; the peer runtime reports them in one line each.
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "CRITICAL")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(

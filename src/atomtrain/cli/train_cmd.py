@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="train through the swap engine within SIZE of device memory (e.g. 24GB)",
     )
+    p.add_argument("--swarm", metavar="NAME", help="train as a peer of swarm NAME")
+    p.add_argument("--join", metavar="MULTIADDR", action="append", default=[],
+                   help="a live peer to join (repeatable)")
     p.add_argument("--no-sample", action="store_true", help="skip the text sample at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, accepts_overrides=True)
@@ -41,6 +44,10 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
 
     if args.name:
         overrides = [*overrides, f"--run.name={args.name}"]
+    if args.swarm:
+        overrides = [*overrides, f"--peer.swarm={args.swarm}"]
+    if args.join:
+        overrides = [*overrides, f"--peer.join={','.join(args.join)}"]
     if args.device_memory:
         overrides = [*overrides, f"--engine.device_memory={args.device_memory}"]
     base = None
@@ -60,20 +67,27 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     trainer = session.trainer
     if session.resumed_from:
         print(f"resuming {session.run_dir} from {session.resumed_from.name}", file=sys.stderr)
-    bar = None if args.quiet else ProgressBar(cfg.train.steps, trainer.state.step, "train")
-    trainer.on_step = bar.update if bar else None
-    previous = signal.signal(signal.SIGINT, lambda *_: trainer.stop.set())
+    previous = {s: signal.signal(s, lambda *_: trainer.stop.set())
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    bar = None
     try:
+        if session.peer is not None:
+            session.peer.start(session.resumed_peer_state)
+        bar = None if args.quiet else ProgressBar(cfg.train.steps, trainer.state.step, "train")
+        trainer.on_step = bar.update if bar else None
         trainer.fit()
         if bar:
             bar.close()
         return _report(args, cfg, session)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         if bar:
             bar.close()
         trainer.loader.close()
         trainer.runner.close()
+        if session.peer is not None:
+            session.peer.shutdown()
 
 
 def _report(args: argparse.Namespace, cfg: RunConfig, session: Session) -> int:

@@ -45,6 +45,9 @@ class WindowSampler:
         self._index = {
             s: self._valid_starts(shards.splits[s], cfg.seq_len) for s in ("train", "val")
         }
+        if not 0 <= cfg.peer_index < max(cfg.num_peers, 1):
+            raise AtomError(f"peer.index ({cfg.peer_index}) must be below peer.num_peers "
+                            f"({cfg.num_peers})")
         if self._index["train"][-1] == 0:
             raise AtomError(
                 f"{shards.root}: training split has fewer than {cfg.seq_len + 1} tokens per shard"
@@ -65,7 +68,8 @@ class WindowSampler:
             lo = total * self.cfg.peer_index // self.cfg.num_peers
             hi = total * (self.cfg.peer_index + 1) // self.cfg.num_peers
         split_code = 0 if split == "train" else 1
-        rng = np.random.default_rng([self.cfg.seed, self.cfg.peer_index, split_code, key])
+        peer = self.cfg.peer_index if split == "train" else 0  # every peer validates alike
+        rng = np.random.default_rng([self.cfg.seed, peer, split_code, key])
         return rng.integers(lo, hi, size=self.cfg.rows)
 
     def windows(self, split: str, key: int) -> np.ndarray:
@@ -92,7 +96,7 @@ class TrainLoader:
     def __init__(self, sampler: WindowSampler) -> None:
         self.sampler = sampler
         self.next_step = 0
-        self._queue: queue.Queue[tuple[int, np.ndarray]] | None = None
+        self._queue: queue.Queue[tuple[int, np.ndarray | BaseException]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -110,7 +114,11 @@ class TrainLoader:
     def _produce(self, first: int, q: queue.Queue, stop: threading.Event) -> None:
         step = first
         while not stop.is_set():
-            item = (step, self.sampler.windows("train", step))
+            try:
+                item: tuple[int, np.ndarray | BaseException] = (
+                    step, self.sampler.windows("train", step))
+            except BaseException as e:  # handed to the consumer, which raises it
+                item = (step, e)
             while not stop.is_set():
                 try:
                     q.put(item, timeout=0.1)
@@ -136,6 +144,9 @@ class TrainLoader:
                 self._thread.start()
             assert self._queue is not None
             step, windows = self._queue.get()
+            if isinstance(windows, BaseException):
+                self.close()
+                raise windows
             assert step == self.next_step, (step, self.next_step)
         self.next_step += 1
         return to_xy(windows)

@@ -27,6 +27,8 @@ from atomtrain.data.shards import sha256_file
 from atomtrain.errors import AtomError
 
 FILES = ("model.safetensors", "optimizer.safetensors", "state.json")
+EXTRA = "extra.safetensors"
+"""Optional: state of other components (the peer runtime's synchronized parameters)."""
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Checkpoint:
     optimizer: dict[str, torch.Tensor]
     rng_state: torch.Tensor | None
     state: dict
+    extra: dict[str, torch.Tensor]
 
 
 def checkpoint_name(step: int) -> str:
@@ -48,6 +51,7 @@ def save_checkpoint(
     optimizer: dict[str, torch.Tensor],
     state: dict,
     overwrite: bool = False,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a checkpoint at `directory` (its final name) and return it."""
     if directory.exists() and not overwrite:
@@ -64,11 +68,15 @@ def save_checkpoint(
         tmp / "optimizer.safetensors",
     )
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    files = list(FILES)
+    if extra:
+        save_file({k: v.detach().cpu().contiguous() for k, v in extra.items()}, tmp / EXTRA)
+        files.append(EXTRA)
     manifest = {
-        f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in FILES
+        f: {"bytes": (tmp / f).stat().st_size, "sha256": sha256_file(tmp / f)} for f in files
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    for f in (*FILES, "manifest.json"):
+    for f in (*files, "manifest.json"):
         with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
     if directory.exists():
@@ -85,7 +93,8 @@ def verify_checkpoint(path: Path) -> None:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise AtomError(f"checkpoint {path} has no readable manifest.json") from e
-    for f in FILES:
+    required = [*FILES, *([EXTRA] if EXTRA in manifest else [])]
+    for f in required:
         entry = manifest.get(f)
         fp = path / f
         if not isinstance(entry, dict) or not fp.is_file():
@@ -105,10 +114,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
         params = load_file(path / "model.safetensors")
         opt = load_file(path / "optimizer.safetensors")
         state = json.loads((path / "state.json").read_text())
+        extra = load_file(path / EXTRA) if (path / EXTRA).exists() else {}
     except (SafetensorError, json.JSONDecodeError, OSError) as e:
         raise AtomError(f"checkpoint {path} cannot be read: {e}") from e
     rng = opt.pop("__rng_state__", None)
-    return Checkpoint(path, params, opt, rng, state)
+    return Checkpoint(path, params, opt, rng, state, extra)
 
 
 def check_matches(ckpt: Checkpoint, params: Mapping[str, torch.Tensor]) -> None:

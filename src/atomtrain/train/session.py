@@ -9,6 +9,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW
 from atomtrain.train.checkpoint import (
+    Checkpoint,
     check_matches,
     latest_checkpoint,
     load_checkpoint,
@@ -35,6 +37,9 @@ from atomtrain.train.checkpoint import (
 from atomtrain.train.metrics import MetricsLog
 from atomtrain.train.runner import PlainRunner, StepRunner
 from atomtrain.train.trainer import Trainer, TrainState
+
+if TYPE_CHECKING:
+    from atomtrain.peer.runtime import PeerRuntime
 
 RunnerFactory = Callable[[nn.Module, AdamW, RunConfig, torch.device], StepRunner]
 
@@ -96,6 +101,8 @@ class Session:
     shards: TokenShards
     trainer: Trainer
     resumed_from: Path | None
+    peer: PeerRuntime | None = None
+    resumed_peer_state: dict | None = None
 
 
 def new_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
@@ -153,9 +160,9 @@ def open_session(
     model = build_model(mc, cfg.train.seed)
     params = dict(model.named_parameters())
     opt = AdamW(params, cfg.optim)
-    sampler = WindowSampler(
-        shards, LoaderConfig(rows=cfg.data.rows, seq_len=cfg.data.seq_len, seed=cfg.data.seed)
-    )
+    loader_cfg = LoaderConfig(rows=cfg.data.rows, seq_len=cfg.data.seq_len, seed=cfg.data.seed,
+                              peer_index=cfg.peer.index, num_peers=cfg.peer.num_peers)
+    sampler = WindowSampler(shards, loader_cfg)
     loader = TrainLoader(sampler)
     state = TrainState()
     if ckpt is not None:
@@ -185,4 +192,24 @@ def open_session(
         state=state,
         checkpoint_extra={"model": mc.__dict__, "preset": cfg.model.preset},
     )
-    return Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)
+    session = Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)
+    if cfg.peer.swarm:
+        attach_peer(session, ckpt)
+    return session
+
+
+def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
+    """Hook a peer runtime into the trainer; `session.peer.start()` joins the swarm."""
+    from atomtrain.peer.runtime import PeerRuntime
+
+    cfg = session.cfg
+    name = cfg.run.name or f"peer{cfg.peer.index}"
+    peer = PeerRuntime(cfg.peer, session.trainer.runner, name, cfg.train.steps, session.run_dir)
+    session.trainer.after_step = peer.after_step
+    session.trainer.extra_state = peer.extra_state
+    session.peer = peer
+    if ckpt is not None and "peer/theta_sync" in ckpt.extra:
+        session.resumed_peer_state = {
+            "meta": {"round": int(ckpt.state.get("peer_round", 0))},
+            "tensors": [ckpt.extra["peer/theta_sync"], ckpt.extra["peer/momentum"]],
+        }

@@ -45,8 +45,11 @@ class Trainer:
     stop: threading.Event = field(default_factory=threading.Event)
     """Set it (e.g. from a signal handler) to end after the current step with a checkpoint."""
     state: TrainState = field(default_factory=TrainState)
-    after_step: Callable[[TrainState], None] | None = None
-    """Called after each optimizer step (the peer runtime hooks its rounds in here)."""
+    after_step: Callable[[TrainState, dict[str, Any]], None] | None = None
+    """Called after each optimizer step with its metrics record, before validation and
+    checkpoints (the peer runtime runs its rounds here and adds to the record)."""
+    extra_state: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]] | None = None
+    """More state for checkpoints: JSON fields and tensors (the peer runtime's)."""
 
     def __post_init__(self) -> None:
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
@@ -66,14 +69,14 @@ class Trainer:
             elapsed = time.perf_counter() - start_time
             record["tokens_per_s"] = (self.state.tokens - start_tokens) / max(elapsed, 1e-9)
             record["elapsed_s"] = elapsed
+            if self.after_step:
+                self.after_step(self.state, record)
             last = self.state.step == self.cfg.steps
             if self.state.step % self.cfg.eval_interval == 0 or last:
                 record["val_loss"] = self._log_eval(write=False)
             self.metrics.write(record)
             if self.on_step:
                 self.on_step(record)
-            if self.after_step:
-                self.after_step(self.state)
             if self.state.step % self.cfg.checkpoint_interval == 0 and not last:
                 self.save()
         self.save()
@@ -87,7 +90,8 @@ class Trainer:
             log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
         self.state.step += 1
         self.state.tokens += x.numel()
-        return {"step": self.state.step, "lr": lr, "tokens": self.state.tokens, **out}
+        return {"step": self.state.step, "lr": lr, "tokens": self.state.tokens,
+                "tokens_step": x.numel(), **out}
 
     def _log_eval(self, write: bool = True) -> float:
         val = self.evaluate()
@@ -106,8 +110,11 @@ class Trainer:
             "loader": self.loader.state_dict(),
             **self.checkpoint_extra,
         }
-        save_checkpoint(
-            path, self.runner.host_parameters(), self.runner.optimizer.state_dict(), state
-        )
+        tensors: dict[str, torch.Tensor] = {}
+        if self.extra_state is not None:
+            fields, tensors = self.extra_state()
+            state.update(fields)
+        save_checkpoint(path, self.runner.host_parameters(), self.runner.optimizer.state_dict(),
+                        state, extra=tensors)
         prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
         return path

@@ -1,0 +1,136 @@
+"""`atomtrain swarm --peers N` (a local swarm with a live table) and `atomtrain status`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "swarm", help="train with N local peers on 127.0.0.1, with a live table",
+        description="Launch N `atomtrain train --swarm` processes on this machine. Other "
+                    "arguments (--config, --section.field=value) go to every peer.")
+    p.add_argument("--peers", type=int, default=2, help="number of peers")
+    p.add_argument("--name", default="local", help="swarm name, and prefix of the run names")
+    p.add_argument("--out-dir", default="runs", help="parent of the peers' run directories")
+    p.add_argument("--overwrite", action="store_true", help="replace existing peer runs")
+    p.add_argument("--device-memory", metavar="SIZE", help="train each peer through the engine")
+    p.add_argument("--config", help="TOML config for every peer")
+    p.add_argument("--no-sample", action="store_true", help="skip the text sample at the end")
+    p.set_defaults(func=run_swarm, accepts_overrides=True)
+
+    s = sub.add_parser("status", help="print the progress table of any swarm")
+    s.add_argument("--join", required=True, metavar="MULTIADDR", help="any live peer")
+    s.add_argument("--swarm", default="local", help="swarm name")
+    s.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+    s.set_defaults(func=run_status)
+
+
+def _client_dht(addr: str):  # type: ignore[no-untyped-def]
+    from hivemind import DHT
+
+    from atomtrain.errors import AtomError
+
+    try:
+        return DHT(initial_peers=[addr], client_mode=True, start=True)
+    except Exception as e:
+        raise AtomError(f"cannot reach the swarm at {addr} ({type(e).__name__})") from None
+
+
+def _table(dht, swarm: str) -> str:  # type: ignore[no-untyped-def]
+    from atomtrain.cli.table import render_table
+    from atomtrain.peer.status import STATUS_HEADERS, read_statuses, status_rows
+
+    return render_table(STATUS_HEADERS, status_rows(read_statuses(dht, swarm)))
+
+
+def run_status(args: argparse.Namespace, _extra: list[str]) -> int:
+    dht = _client_dht(args.join)
+    try:
+        while True:
+            print(_table(dht, args.swarm), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(1.0)
+            print()
+    finally:
+        dht.shutdown()
+
+
+def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
+    import shutil
+
+    from atomtrain.errors import AtomError
+    from atomtrain.peer.launcher import Swarm
+
+    if args.peers < 1:
+        raise AtomError("--peers must be at least 1")
+    out = Path(args.out_dir)
+    for i in range(args.peers):
+        run_dir = out / f"{args.name}-peer{i}"
+        if run_dir.exists():
+            if not args.overwrite:
+                raise AtomError(f"run directory {run_dir} already exists; pass --overwrite")
+            shutil.rmtree(run_dir)
+    extra = [*overrides]
+    if args.config:
+        extra.append(f"--config={args.config}")
+    if args.device_memory:
+        extra.append(f"--engine.device_memory={args.device_memory}")
+    swarm = Swarm(args.name, out, args.name, extra, wait_for=args.peers, expected=args.peers)
+    first = swarm.launch(0, args.peers, None)
+    try:
+        addr = swarm.wait_addr(first)
+        print(f"swarm {args.name!r}: peer 0 at {addr}", file=sys.stderr)
+        for i in range(1, args.peers):
+            swarm.launch(i, args.peers, addr)
+        _watch(swarm, addr)
+    except KeyboardInterrupt:
+        print("stopping the swarm (each peer writes a checkpoint)...", file=sys.stderr)
+        swarm.stop()
+        return 130
+    finally:
+        if swarm.running():
+            swarm.stop()
+    return _summary(swarm, args)
+
+
+def _watch(swarm, addr: str) -> None:  # type: ignore[no-untyped-def]
+    dht = _client_dht(addr)
+    tty = sys.stdout.isatty()
+    lines = 0
+    try:
+        while swarm.running():
+            table = _table(dht, swarm.name)
+            if tty and lines:
+                sys.stdout.write(f"\x1b[{lines}F\x1b[J")
+            print(table, flush=True)
+            lines = table.count("\n") + 1
+            time.sleep(1.0 if tty else 10.0)
+    finally:
+        dht.shutdown()
+
+
+def _summary(swarm, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    from atomtrain.cli.sample_cmd import sample_text
+    from atomtrain.peer.plot import plot_swarm
+    from atomtrain.train.loading import load_trained
+    from atomtrain.train.metrics import read_metrics
+
+    failed = [p for p in swarm.peers if p.proc.returncode not in (0, None)]
+    for p in swarm.peers:
+        vals = [r["val_loss"] for r in read_metrics(p.run_dir / "metrics.jsonl")
+                if "val_loss" in r]
+        loss = f"validation loss {vals[0]:.3f} -> {vals[-1]:.3f}" if vals else "no metrics"
+        print(f"peer {p.index}: exit {p.proc.returncode}, {loss} ({p.log_path})")
+    if failed:
+        return 1
+    if not args.no_sample:
+        model, tok, _ = load_trained(swarm.peers[0].run_dir)
+        print("sample:\n" + sample_text(model, tok, "def ", 200, 0.8, 40))
+    plot = plot_swarm([p.run_dir for p in swarm.peers], swarm.out_dir / f"{swarm.base}-loss.png")
+    print(f"loss plot: {plot}")
+    return 0

@@ -1,0 +1,1 @@
+"""Decentralized asynchronous training over hivemind: rounds, membership, state download."""

@@ -1,0 +1,82 @@
+"""Each peer publishes its progress in the DHT; anyone joined to the swarm can read the table."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+STATUS_TTL_S = 30.0
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    name: str
+    round: int
+    step: int
+    loss: float
+    tokens_per_s: float
+    last_sync: float
+    """Wall-clock time of the last applied round (0: never)."""
+    failed_rounds: int = 0
+    addrs: tuple[str, ...] = ()
+    updated: float = 0.0
+    """Wall-clock time of this record: peers publish every second, so an old one is a gone peer."""
+    finishing: bool = False
+    """Done with local steps and waiting for the last round."""
+
+    def fresh(self, now: float, within_s: float = 5.0) -> bool:
+        return now - self.updated <= within_s
+
+    @classmethod
+    def from_record(cls, value: Any) -> PeerStatus | None:
+        """A status from a DHT record, or None when the record is malformed."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            return cls(name=str(value["name"])[:64], round=int(value["round"]),
+                       step=int(value["step"]), loss=float(value["loss"]),
+                       tokens_per_s=float(value["tokens_per_s"]),
+                       last_sync=float(value["last_sync"]),
+                       failed_rounds=int(value.get("failed_rounds", 0)),
+                       addrs=tuple(str(a) for a in value.get("addrs", ())[:8]),
+                       updated=float(value.get("updated", 0.0)),
+                       finishing=bool(value.get("finishing", False)))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def status_key(swarm: str) -> str:
+    return f"{swarm}_status"
+
+
+def publish(dht: DHT, swarm: str, peer_id: str, status: PeerStatus) -> None:
+    record = asdict(status)
+    record["addrs"] = list(status.addrs)
+    dht.store(status_key(swarm), subkey=peer_id, value=record,
+              expiration_time=get_dht_time() + STATUS_TTL_S, return_future=True)
+
+
+def read_statuses(dht: DHT, swarm: str) -> list[PeerStatus]:
+    found = dht.get(status_key(swarm), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    out = []
+    for item in found.value.values():
+        st = PeerStatus.from_record(getattr(item, "value", None))
+        if st is not None:
+            out.append(st)
+    return sorted(out, key=lambda s: s.name)
+
+
+def status_rows(statuses: list[PeerStatus]) -> list[list[str]]:
+    now = time.time()
+    return [[s.name, str(s.round), str(s.step), f"{s.loss:.3f}", f"{s.tokens_per_s:.0f}",
+             f"{now - s.last_sync:.1f}s" if s.last_sync else "never", str(s.failed_rounds)]
+            for s in statuses]
+
+
+STATUS_HEADERS = ["peer", "round", "step", "loss", "tokens/s", "since sync", "failed"]
