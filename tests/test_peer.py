@@ -123,5 +123,5 @@ def test_a_restarted_peer_resumes_from_its_checkpoint_and_catches_up(churn):
 
 
 def test_finishers_agree_after_the_last_round(churn):
-    assert churn.result["finished_peers"] == 4
-    assert churn.result["param_spread"] <= AGREEMENT_TOL
+    assert churn.result["finished_peers"] == 4, churn.result
+    assert churn.result["param_spread"] <= AGREEMENT_TOL, churn.result

@@ -69,6 +69,14 @@ class DataSection:
     """Tokens per sequence."""
     seed: int = 0
     """Seed of the window draw."""
+    input: str = "shards"
+    """`shards` (prepared, random windows) or `stream` (raw text tokenized on the fly)."""
+    input_rate: float = 0.0
+    """Streaming only: most tokens per second the input delivers (0: unlimited)."""
+    reuse: str = "auto"
+    """Data echoing when streamed input is late: auto (on for streams) or off."""
+    max_echo: int = 4
+    """Most uses of one fresh batch when reusing."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out-dir", default="runs/bench-churn", help="where the peers' runs go")
     c.set_defaults(func=run_churn)
 
+    r = bsub.add_parser("reuse", help="data echoing against waiting for a slow input pipeline")
+    r.add_argument("--json", action="store_true", help="print only the JSON result")
+    r.add_argument("--input-slowdown", type=float, default=4.0)
+    r.add_argument("--steps", type=int, default=150)
+    r.add_argument("--max-echo", type=int, default=4)
+    r.set_defaults(func=run_reuse)
+
 
 def _emit(result: dict, as_json: bool) -> None:
     if as_json:
@@ -74,4 +81,13 @@ def run_churn(args: argparse.Namespace, _extra: list[str]) -> int:
     shutil.rmtree(out, ignore_errors=True)
     cfg = ChurnConfig(peers=args.peers, steps=args.steps, sync_every=args.sync_every)
     _emit(run_churn(cfg, out).result, args.json)
+    return 0
+
+
+def run_reuse(args: argparse.Namespace, _extra: list[str]) -> int:
+    from atomtrain.bench.reuse import ReuseBenchConfig, run_reuse_bench
+
+    cfg = ReuseBenchConfig(input_slowdown=args.input_slowdown, steps=args.steps,
+                           max_echo=args.max_echo)
+    _emit(run_reuse_bench(cfg), args.json)
     return 0

@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="train through the swap engine within SIZE of device memory (e.g. 24GB)",
     )
+    p.add_argument("--input-rate", type=float, metavar="TOKENS_PER_S",
+                   help="stream raw text at most this fast (data echoing fills the gaps)")
     p.add_argument("--swarm", metavar="NAME", help="train as a peer of swarm NAME")
     p.add_argument("--join", metavar="MULTIADDR", action="append", default=[],
                    help="a live peer to join (repeatable)")
@@ -44,6 +46,8 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
 
     if args.name:
         overrides = [*overrides, f"--run.name={args.name}"]
+    if args.input_rate is not None:
+        overrides = [*overrides, "--data.input=stream", f"--data.input_rate={args.input_rate}"]
     if args.swarm:
         overrides = [*overrides, f"--peer.swarm={args.swarm}"]
     if args.join:

@@ -36,6 +36,15 @@ logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 PUBLISH_EVERY_S = 1.0
 
 
+def _reap(process: Any) -> None:
+    """A hivemind helper that ignored its shutdown request is killed, not waited for."""
+    process.join(timeout=2.0)
+    if process.is_alive():
+        log.debug("%s ignored its shutdown; killing it", type(process).__name__)
+        process.kill()
+        process.join(timeout=2.0)
+
+
 _NICE_REGISTERED = False
 
 
@@ -317,10 +326,10 @@ class PeerRuntime:
             self._publisher.join(timeout=5)
         if self.averager is not None:
             self.averager.shutdown()
+            _reap(self.averager.averager)
             self.averager = None
         if self.dht is not None:
             self.dht.shutdown()
+            _reap(self.dht)
             self.dht = None
-        if self.watchdog is not None:
-            self.watchdog.terminate()
-            self.watchdog = None
+        # The watchdog stays: once this process exits it kills whatever helper is left (p2pd).

@@ -62,9 +62,9 @@ def save_checkpoint(
     save_file(
         {k: v.detach().cpu().contiguous() for k, v in params.items()}, tmp / "model.safetensors"
     )
-    extra = {"__rng_state__": torch.get_rng_state()}
+    rng = {"__rng_state__": torch.get_rng_state()}
     save_file(
-        {**{k: v.cpu().contiguous() for k, v in optimizer.items()}, **extra},
+        {**{k: v.cpu().contiguous() for k, v in optimizer.items()}, **rng},
         tmp / "optimizer.safetensors",
     )
     (tmp / "state.json").write_text(json.dumps(state, indent=1))

@@ -39,6 +39,7 @@ from atomtrain.train.runner import PlainRunner, StepRunner
 from atomtrain.train.trainer import Trainer, TrainState
 
 if TYPE_CHECKING:
+    from atomtrain.data.reuse import EchoingLoader
     from atomtrain.peer.runtime import PeerRuntime
 
 RunnerFactory = Callable[[nn.Module, AdamW, RunConfig, torch.device], StepRunner]
@@ -70,6 +71,29 @@ def prepared_data(cfg: DataSection) -> TokenShards:
     if not (root / "manifest.json").exists():
         prepare(cfg.source, root, PrepareConfig(tokenizer=cfg.tokenizer), overwrite=True)
     return TokenShards.open(root)
+
+
+REUSE_SLACK = 64
+"""Extra tokens per streamed row: reused windows start at a fresh offset within them."""
+
+
+def streaming_loader(cfg: RunConfig, shards: TokenShards) -> EchoingLoader:
+    """Raw text tokenized on the fly (the validation documents left out), with data echoing."""
+    from atomtrain.data.corpus import resolve_sources
+    from atomtrain.data.reuse import EchoingLoader, ReuseConfig
+    from atomtrain.data.stream import StreamConfig, StreamingSource
+
+    d = cfg.data
+    if d.input_rate < 0 or d.max_echo < 1 or d.reuse not in ("auto", "off"):
+        raise AtomError("data.input_rate must be >= 0, data.max_echo >= 1, data.reuse auto/off")
+    held_out = set(shards.manifest.get("val_documents", []))
+    files = [f for f in resolve_sources(d.source) if str(f) not in held_out]
+    source = StreamingSource(
+        files, StreamConfig(rows=d.rows, chunk_len=d.seq_len + 1 + REUSE_SLACK, seed=d.seed,
+                            rate_tokens_per_s=d.input_rate),
+        shards.tokenizer, cfg.peer.index, cfg.peer.num_peers)
+    return EchoingLoader(source, ReuseConfig(enabled=d.reuse == "auto", max_echo=d.max_echo,
+                                             seq_len=d.seq_len, seed=d.seed))
 
 
 def model_config(cfg: ModelSection, vocab_size: int, seq_len: int) -> GPTConfig:
@@ -146,6 +170,8 @@ def open_session(
     device = resolve_device(cfg.run.device)
     shards = prepared_data(cfg.data)
     mc = model_config(cfg.model, shards.vocab_size, cfg.data.seq_len)
+    if cfg.data.input not in ("shards", "stream"):
+        raise AtomError(f"data.input must be shards or stream, got {cfg.data.input!r}")
     if cfg.data.rows % cfg.train.micro_batch_rows:
         raise AtomError(
             f"data.rows ({cfg.data.rows}) must be a multiple of "
@@ -163,7 +189,8 @@ def open_session(
     loader_cfg = LoaderConfig(rows=cfg.data.rows, seq_len=cfg.data.seq_len, seed=cfg.data.seed,
                               peer_index=cfg.peer.index, num_peers=cfg.peer.num_peers)
     sampler = WindowSampler(shards, loader_cfg)
-    loader = TrainLoader(sampler)
+    loader: TrainLoader | EchoingLoader = (
+        streaming_loader(cfg, shards) if cfg.data.input == "stream" else TrainLoader(sampler))
     state = TrainState()
     if ckpt is not None:
         check_matches(ckpt, params)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from atomtrain.data.loader import TrainLoader
+from atomtrain.data.reuse import EchoingLoader
 from atomtrain.train.checkpoint import checkpoint_name, prune_checkpoints, save_checkpoint
 from atomtrain.train.config import TrainConfig, lr_at
 from atomtrain.train.metrics import MetricsLog
@@ -35,7 +36,7 @@ class TrainState:
 @dataclass
 class Trainer:
     runner: StepRunner
-    loader: TrainLoader
+    loader: TrainLoader | EchoingLoader
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     cfg: TrainConfig
     run_dir: Path
@@ -90,8 +91,12 @@ class Trainer:
             log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
         self.state.step += 1
         self.state.tokens += x.numel()
-        return {"step": self.state.step, "lr": lr, "tokens": self.state.tokens,
-                "tokens_step": x.numel(), **out}
+        record = {"step": self.state.step, "lr": lr, "tokens": self.state.tokens,
+                  "tokens_step": x.numel(), **out}
+        stats = getattr(self.loader, "stats", None)
+        if stats is not None:  # data echoing reports its echo factor
+            record.update(stats())
+        return record
 
     def _log_eval(self, write: bool = True) -> float:
         val = self.evaluate()
