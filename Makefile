@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/atomtrain train --overwrite --run.name=default
+	$(BIN)/atomtrain swarm --peers 2 --name default --overwrite --device-memory 64MB
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -32,17 +32,28 @@ def main() -> None:
     else:
         while not addr_file.exists():
             time.sleep(0.1)
-        dht = DHT(initial_peers=[addr_file.read_text()], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                  start=True)
-    avg = ProbedAverager(dht, "harness", NUMEL, "float16", matchmaking_s=3.0, timeout_s=30.0,
-                         target_group_size=8, state_provider=lambda: ({}, []))
+        dht = DHT(
+            initial_peers=[addr_file.read_text()], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
+        )
+    avg = ProbedAverager(
+        dht,
+        "harness",
+        NUMEL,
+        "float16",
+        matchmaking_s=3.0,
+        timeout_s=30.0,
+        target_group_size=8,
+        state_provider=lambda: ({}, []),
+    )
     delta, theta = vectors(index)
     avg.start(delta, theta, weight, {"name": f"h{index}"})
     while not avg.done():
         time.sleep(0.05)
     result = avg.result()
-    torch.save({"delta": result.delta, "theta": result.theta_sync, "group": result.group_size},
-               work / f"out{index}.pt")
+    torch.save(
+        {"delta": result.delta, "theta": result.theta_sync, "group": result.group_size},
+        work / f"out{index}.pt",
+    )
     avg.shutdown()
     dht.shutdown()
 

@@ -27,15 +27,25 @@ HERE = Path(__file__).parent
 # so two peers' final parameters differ by at most about 0.5 * 2^-11 = 2.4e-4.
 AGREEMENT_TOL = 1e-3
 
-SMALL = ["--model.preset=small", "--data.seq_len=64", "--data.rows=8",
-         "--train.micro_batch_rows=8", "--train.warmup_steps=10", "--train.eval_interval=50",
-         "--train.lr=2e-3"]
+SMALL = [
+    "--model.preset=small",
+    "--data.seq_len=64",
+    "--data.rows=8",
+    "--train.micro_batch_rows=8",
+    "--train.warmup_steps=10",
+    "--train.eval_interval=50",
+    "--train.lr=2e-3",
+]
 
 
 def test_one_round_equals_the_token_weighted_mean(tmp_path: Path):
     weights = [1.0, 3.0]
-    procs = [subprocess.Popen([sys.executable, str(HERE / "peer_round_harness.py"), str(i),
-                               str(w), str(tmp_path)]) for i, w in enumerate(weights)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "peer_round_harness.py"), str(i), str(w), str(tmp_path)]
+        )
+        for i, w in enumerate(weights)
+    ]
     try:
         for p in procs:
             assert p.wait(timeout=120) == 0
@@ -62,8 +72,14 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_two_peers_train_agree_and_report_status(tmp_path: Path):
-    swarm = Swarm("duo", tmp_path, "duo", [*SMALL, "--train.steps=150", "--peer.sync_every=15"],
-                  wait_for=2, expected=2)
+    swarm = Swarm(
+        "duo",
+        tmp_path,
+        "duo",
+        [*SMALL, "--train.steps=150", "--peer.sync_every=15"],
+        wait_for=2,
+        expected=2,
+    )
     try:
         addr = swarm.wait_addr(swarm.launch(0, 2, None))
         swarm.launch(1, 2, addr)
@@ -109,8 +125,11 @@ def test_no_helper_process_outlives_its_peer(churn):
 def test_a_late_joiner_takes_the_swarms_parameters(churn):
     joined = re.search(r"joined at round (\d+) .*parameters (\w+)\)", churn.logs[3])
     assert joined, churn.logs[3][-2000:]
-    served = {m for i in (0, 1) for m in
-              re.findall(r"served the state of round (\d+) \(parameters (\w+)\)", churn.logs[i])}
+    served = {
+        m
+        for i in (0, 1)
+        for m in re.findall(r"served the state of round (\d+) \(parameters (\w+)\)", churn.logs[i])
+    }
     assert (joined.group(1), joined.group(2)) in served
     assert int(joined.group(1)) >= 1
 

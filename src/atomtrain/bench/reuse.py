@@ -30,7 +30,7 @@ class ReuseBenchConfig:
 
     input_slowdown: float = 4.0
     """Upstream time per batch over the step time."""
-    steps: int = 150
+    steps: int = 300
     """Steps of the run without reuse; its final loss is the target."""
     max_echo: int = 4
     n_layer: int = 2
@@ -40,27 +40,53 @@ class ReuseBenchConfig:
     rows: int = 16
     lr: float = 3e-3
     eval_every: int = 5
-    eval_batches: int = 2
+    eval_batches: int = 8
     seed: int = 0
 
 
 def _runner(cfg: ReuseBenchConfig) -> PlainRunner:
     torch.manual_seed(cfg.seed)
-    model = GPT(GPTConfig(n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
-                          block_size=cfg.seq_len, vocab_size=256))
-    return PlainRunner(model, AdamW(dict(model.named_parameters()), AdamWConfig()), cfg.rows,
-                       1.0, torch.device("cpu"))
+    model = GPT(
+        GPTConfig(
+            n_layer=cfg.n_layer,
+            n_embd=cfg.n_embd,
+            n_head=cfg.n_head,
+            block_size=cfg.seq_len,
+            vocab_size=256,
+        )
+    )
+    return PlainRunner(
+        model,
+        AdamW(dict(model.named_parameters()), AdamWConfig()),
+        cfg.rows,
+        1.0,
+        torch.device("cpu"),
+    )
 
 
-def _loader(cfg: ReuseBenchConfig, files, rate: float, reuse: bool) -> EchoingLoader:  # type: ignore[no-untyped-def]
-    src = StreamingSource(files, StreamConfig(rows=cfg.rows, chunk_len=cfg.seq_len + 1 +
-                                              REUSE_SLACK, seed=cfg.seed, rate_tokens_per_s=rate))
-    return EchoingLoader(src, ReuseConfig(enabled=reuse, max_echo=cfg.max_echo,
-                                          seq_len=cfg.seq_len, seed=cfg.seed))
+def _loader(cfg: ReuseBenchConfig, files, rate: float, reuse: bool) -> EchoingLoader:
+    src = StreamingSource(
+        files,
+        StreamConfig(
+            rows=cfg.rows,
+            chunk_len=cfg.seq_len + 1 + REUSE_SLACK,
+            seed=cfg.seed,
+            rate_tokens_per_s=rate,
+        ),
+    )
+    return EchoingLoader(
+        src, ReuseConfig(enabled=reuse, max_echo=cfg.max_echo, seq_len=cfg.seq_len, seed=cfg.seed)
+    )
 
 
-def _train(cfg: ReuseBenchConfig, loader: EchoingLoader, val, target: float | None,  # type: ignore[no-untyped-def]
-           max_steps: int, budget_s: float) -> dict:
+def _train(
+    cfg: ReuseBenchConfig,
+    loader: EchoingLoader,
+    val,
+    target: float | None,
+    max_steps: int,
+    budget_s: float,
+) -> dict:
     runner = _runner(cfg)
     train_s, loss, step = 0.0, float("nan"), 0
     reached = None
@@ -77,17 +103,22 @@ def _train(cfg: ReuseBenchConfig, loader: EchoingLoader, val, target: float | No
                 reached = train_s
                 break
     loader.close()
-    return {"steps": step, "train_s": train_s, "loss": loss, "reached_s": reached,
-            "echo": (loader.fresh + loader.echoed) / max(loader.fresh, 1)}
+    return {
+        "steps": step,
+        "train_s": train_s,
+        "loss": loss,
+        "reached_s": reached,
+        "echo": (loader.fresh + loader.echoed) / max(loader.fresh, 1),
+    }
 
 
 def run_reuse_bench(cfg: ReuseBenchConfig) -> dict:
     from atomtrain.config import DataSection
 
     shards = prepared_data(DataSection())
-    val = validation_batches(WindowSampler(shards, LoaderConfig(rows=cfg.rows,
-                                                                seq_len=cfg.seq_len)),
-                             cfg.eval_batches)
+    val = validation_batches(
+        WindowSampler(shards, LoaderConfig(rows=cfg.rows, seq_len=cfg.seq_len)), cfg.eval_batches
+    )
     held_out = set(shards.manifest.get("val_documents", []))
     files = [f for f in resolve_sources("stdlib") if str(f) not in held_out]
     # The step time with input always ready sets the upstream rate.
@@ -97,8 +128,9 @@ def run_reuse_bench(cfg: ReuseBenchConfig) -> dict:
     rate = batch_tokens / (cfg.input_slowdown * step_s)
     base = _train(cfg, _loader(cfg, files, rate, False), val, None, cfg.steps, math.inf)
     target = base["loss"]
-    reuse = _train(cfg, _loader(cfg, files, rate, True), val, target, 100 * cfg.steps,
-                   base["train_s"])
+    reuse = _train(
+        cfg, _loader(cfg, files, rate, True), val, target, 100 * cfg.steps, base["train_s"]
+    )
     return {
         "input_slowdown": cfg.input_slowdown,
         "no_reuse_time_to_target_s": base["train_s"],

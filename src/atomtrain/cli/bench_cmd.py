@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = bsub.add_parser("reuse", help="data echoing against waiting for a slow input pipeline")
     r.add_argument("--json", action="store_true", help="print only the JSON result")
     r.add_argument("--input-slowdown", type=float, default=4.0)
-    r.add_argument("--steps", type=int, default=150)
+    r.add_argument("--steps", type=int, default=300)
     r.add_argument("--max-echo", type=int, default=4)
     r.set_defaults(func=run_reuse)
 
@@ -87,7 +87,8 @@ def run_churn(args: argparse.Namespace, _extra: list[str]) -> int:
 def run_reuse(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.bench.reuse import ReuseBenchConfig, run_reuse_bench
 
-    cfg = ReuseBenchConfig(input_slowdown=args.input_slowdown, steps=args.steps,
-                           max_echo=args.max_echo)
+    cfg = ReuseBenchConfig(
+        input_slowdown=args.input_slowdown, steps=args.steps, max_echo=args.max_echo
+    )
     _emit(run_reuse_bench(cfg), args.json)
     return 0

@@ -10,9 +10,11 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "swarm", help="train with N local peers on 127.0.0.1, with a live table",
+        "swarm",
+        help="train with N local peers on 127.0.0.1, with a live table",
         description="Launch N `atomtrain train --swarm` processes on this machine. Other "
-                    "arguments (--config, --section.field=value) go to every peer.")
+        "arguments (--config, --section.field=value) go to every peer.",
+    )
     p.add_argument("--peers", type=int, default=2, help="number of peers")
     p.add_argument("--name", default="local", help="swarm name, and prefix of the run names")
     p.add_argument("--out-dir", default="runs", help="parent of the peers' run directories")
@@ -29,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=run_status)
 
 
-def _client_dht(addr: str):  # type: ignore[no-untyped-def]
+def _client_dht(addr: str):
     from hivemind import DHT
 
     from atomtrain.errors import AtomError
@@ -40,7 +42,7 @@ def _client_dht(addr: str):  # type: ignore[no-untyped-def]
         raise AtomError(f"cannot reach the swarm at {addr} ({type(e).__name__})") from None
 
 
-def _table(dht, swarm: str) -> str:  # type: ignore[no-untyped-def]
+def _table(dht, swarm: str) -> str:
     from atomtrain.cli.table import render_table
     from atomtrain.peer.status import STATUS_HEADERS, read_statuses, status_rows
 
@@ -98,7 +100,7 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
     return _summary(swarm, args)
 
 
-def _watch(swarm, addr: str) -> None:  # type: ignore[no-untyped-def]
+def _watch(swarm, addr: str) -> None:
     dht = _client_dht(addr)
     tty = sys.stdout.isatty()
     lines = 0
@@ -114,7 +116,7 @@ def _watch(swarm, addr: str) -> None:  # type: ignore[no-untyped-def]
         dht.shutdown()
 
 
-def _summary(swarm, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+def _summary(swarm, args: argparse.Namespace) -> int:
     from atomtrain.cli.sample_cmd import sample_text
     from atomtrain.peer.plot import plot_swarm
     from atomtrain.train.loading import load_trained
@@ -122,8 +124,7 @@ def _summary(swarm, args: argparse.Namespace) -> int:  # type: ignore[no-untyped
 
     failed = [p for p in swarm.peers if p.proc.returncode not in (0, None)]
     for p in swarm.peers:
-        vals = [r["val_loss"] for r in read_metrics(p.run_dir / "metrics.jsonl")
-                if "val_loss" in r]
+        vals = [r["val_loss"] for r in read_metrics(p.run_dir / "metrics.jsonl") if "val_loss" in r]
         loss = f"validation loss {vals[0]:.3f} -> {vals[-1]:.3f}" if vals else "no metrics"
         print(f"peer {p.index}: exit {p.proc.returncode}, {loss} ({p.log_path})")
     if failed:

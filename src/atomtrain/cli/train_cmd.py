@@ -31,11 +31,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="train through the swap engine within SIZE of device memory (e.g. 24GB)",
     )
-    p.add_argument("--input-rate", type=float, metavar="TOKENS_PER_S",
-                   help="stream raw text at most this fast (data echoing fills the gaps)")
+    p.add_argument(
+        "--input-rate",
+        type=float,
+        metavar="TOKENS_PER_S",
+        help="stream raw text at most this fast (data echoing fills the gaps)",
+    )
     p.add_argument("--swarm", metavar="NAME", help="train as a peer of swarm NAME")
-    p.add_argument("--join", metavar="MULTIADDR", action="append", default=[],
-                   help="a live peer to join (repeatable)")
+    p.add_argument(
+        "--join",
+        metavar="MULTIADDR",
+        action="append",
+        default=[],
+        help="a live peer to join (repeatable)",
+    )
+    p.add_argument(
+        "--serve",
+        type=int,
+        metavar="PORT",
+        help="serve completions on 127.0.0.1:PORT from the model being trained",
+    )
     p.add_argument("--no-sample", action="store_true", help="skip the text sample at the end")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run, accepts_overrides=True)
@@ -71,12 +86,19 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     trainer = session.trainer
     if session.resumed_from:
         print(f"resuming {session.run_dir} from {session.resumed_from.name}", file=sys.stderr)
-    previous = {s: signal.signal(s, lambda *_: trainer.stop.set())
-                for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {
+        s: signal.signal(s, lambda *_: trainer.stop.set()) for s in (signal.SIGINT, signal.SIGTERM)
+    }
     bar = None
     try:
         if session.peer is not None:
             session.peer.start(session.resumed_peer_state)
+        if args.serve is not None:
+            from atomtrain.sched.beside import serve_beside_training
+
+            server, _ = serve_beside_training(session, "127.0.0.1", args.serve)
+            host, port = server.server_address[:2]
+            print(f"serving completions on http://{host}:{port}/v1/completions", file=sys.stderr)
         bar = None if args.quiet else ProgressBar(cfg.train.steps, trainer.state.step, "train")
         trainer.on_step = bar.update if bar else None
         trainer.fit()

@@ -46,8 +46,9 @@ class WindowSampler:
             s: self._valid_starts(shards.splits[s], cfg.seq_len) for s in ("train", "val")
         }
         if not 0 <= cfg.peer_index < max(cfg.num_peers, 1):
-            raise AtomError(f"peer.index ({cfg.peer_index}) must be below peer.num_peers "
-                            f"({cfg.num_peers})")
+            raise AtomError(
+                f"peer.index ({cfg.peer_index}) must be below peer.num_peers ({cfg.num_peers})"
+            )
         if self._index["train"][-1] == 0:
             raise AtomError(
                 f"{shards.root}: training split has fewer than {cfg.seq_len + 1} tokens per shard"
@@ -116,7 +117,9 @@ class TrainLoader:
         while not stop.is_set():
             try:
                 item: tuple[int, np.ndarray | BaseException] = (
-                    step, self.sampler.windows("train", step))
+                    step,
+                    self.sampler.windows("train", step),
+                )
             except BaseException as e:  # handed to the consumer, which raises it
                 item = (step, e)
             while not stop.is_set():
@@ -143,11 +146,12 @@ class TrainLoader:
                 )
                 self._thread.start()
             assert self._queue is not None
-            step, windows = self._queue.get()
-            if isinstance(windows, BaseException):
+            step, item = self._queue.get()
+            if isinstance(item, BaseException):
                 self.close()
-                raise windows
+                raise item
             assert step == self.next_step, (step, self.next_step)
+            windows = item
         self.next_step += 1
         return to_xy(windows)
 

@@ -99,11 +99,17 @@ class EchoingLoader:
     def _echo(self) -> np.ndarray:
         pool = np.concatenate(list(self.buffer))  # (batches * rows, chunk_len)
         rows = self.buffer[-1].shape[0]
-        pick = self.rng.choice(len(pool), size=rows, replace=len(pool) < rows)
+        pick = np.asarray(self.rng.choice(len(pool), size=rows, replace=len(pool) < rows))
         slack = pool.shape[1] - (self.cfg.seq_len + 1)
-        offsets = self.rng.integers(1, slack + 1, size=rows) if slack > 0 else np.zeros(rows, int)
-        return np.stack([pool[p, o: o + self.cfg.seq_len + 1]
-                         for p, o in zip(pick, offsets, strict=True)])
+        offsets = (
+            self.rng.integers(1, slack + 1, size=rows)
+            if slack > 0
+            else np.zeros(rows, dtype=np.int64)
+        )
+        n = self.cfg.seq_len + 1
+        return np.stack(
+            [pool[int(p), int(o) : int(o) + n] for p, o in zip(pick, offsets, strict=True)]
+        )
 
     # --- the loader interface -------------------------------------------------------------------
 
@@ -119,14 +125,18 @@ class EchoingLoader:
             "source": self.source.state_dict(),
             "buffer": [b.tolist() for b in self.buffer],
             "rng": self.rng.bit_generator.state,
-            "fresh": self.fresh, "echoed": self.echoed, "echoes_left": self.echoes_left,
-            "up_s": self.up_s, "step_s": self.step_s,
+            "fresh": self.fresh,
+            "echoed": self.echoed,
+            "echoes_left": self.echoes_left,
+            "up_s": self.up_s,
+            "step_s": self.step_s,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.source.load_state_dict(state["source"])
-        self.buffer = deque((np.asarray(b, dtype=np.int64) for b in state["buffer"]),
-                            maxlen=self.cfg.buffer_batches)
+        self.buffer = deque(
+            (np.asarray(b, dtype=np.int64) for b in state["buffer"]), maxlen=self.cfg.buffer_batches
+        )
         self.rng = np.random.default_rng()
         self.rng.bit_generator.state = state["rng"]
         self.fresh, self.echoed = int(state["fresh"]), int(state["echoed"])

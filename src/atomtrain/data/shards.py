@@ -108,7 +108,8 @@ def prepare(src: str, out: Path, cfg: PrepareConfig, overwrite: bool = False) ->
         "format_version": FORMAT_VERSION,
         "source": src,
         "num_documents": len(docs),
-        "val_documents": [str(files[i]) for i in sorted(val_idx)] if len(val_idx) < len(docs)
+        "val_documents": [str(files[i]) for i in sorted(val_idx)]
+        if len(val_idx) < len(docs)
         else [],
         "tokenizer": tok.spec(),
         "dtype": dtype,

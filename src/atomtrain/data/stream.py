@@ -2,8 +2,8 @@
 
 An alternative to prepared shards for corpora too large to prepare, or read over a slow link. A
 rate limit (`rate_tokens_per_s`) stands for a slow disk or network. The stream is deterministic:
-files in a seeded order per epoch, each cut into consecutive chunks; its position is a cursor
-(epoch, file, chunk) that `state_dict` saves and `load_state_dict` restores.
+files in a seeded order per epoch, several read at once and cut into chunks that rows take in
+turn; its position is a cursor that `state_dict` saves and `load_state_dict` restores.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import queue
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,23 +34,38 @@ class StreamConfig:
     """Upper bound on the tokens the stream delivers per second (0: as fast as it can)."""
     prefetch: int = 2
     """Batches tokenized ahead."""
+    interleave: int = 8
+    """Files read at once, rows taken from each in turn, so a batch mixes documents."""
 
 
 @dataclass
 class Cursor:
+    """Where the stream is: the epoch, the next file to open, and the files being read (each
+    with the next chunk to take), rows taken from them in turn."""
+
     epoch: int = 0
-    file: int = 0
-    chunk: int = 0
+    next_file: int = 0
+    active: list[list[int]] = field(default_factory=list)
+    turn: int = 0
+
+    def copy(self) -> Cursor:
+        return Cursor(self.epoch, self.next_file, [list(a) for a in self.active], self.turn)
 
 
 class StreamingSource:
     """Batches of (rows, chunk_len) token chunks, numbered 0, 1, 2, ... in stream order."""
 
-    def __init__(self, files: list[Path], cfg: StreamConfig, tokenizer: Tokenizer | None = None,
-                 peer_index: int = 0, num_peers: int = 1) -> None:
+    def __init__(
+        self,
+        files: list[Path],
+        cfg: StreamConfig,
+        tokenizer: Tokenizer | None = None,
+        peer_index: int = 0,
+        num_peers: int = 1,
+    ) -> None:
         if not files:
             raise AtomError("the stream has no files to read")
-        self.files = files[peer_index::max(num_peers, 1)] or files
+        self.files = files[peer_index :: max(num_peers, 1)] or files
         self.cfg = cfg
         self.tok = tokenizer or ByteTokenizer()
         self.cursor = Cursor()
@@ -70,27 +85,37 @@ class StreamingSource:
         n = len(ids) // self.cfg.chunk_len
         return ids[: n * self.cfg.chunk_len].reshape(n, self.cfg.chunk_len)
 
-    def _batches(self, start: Cursor):  # type: ignore[no-untyped-def]
+    def _batches(self, start: Cursor):
         """(cursor after the batch, batch) forever, from `start`."""
-        c = Cursor(start.epoch, start.file, start.chunk)
+        c = start.copy()
+        cache: dict[int, np.ndarray] = {}
         rows: list[np.ndarray] = []
-        empty_epochs = 0
+        since_batch = 0
         while True:
-            order = self._order(c.epoch)
-            chunks = self._chunks(order[c.file])
-            while c.chunk < len(chunks):
-                rows.append(chunks[c.chunk])
-                c.chunk += 1
-                if len(rows) == self.cfg.rows:
-                    empty_epochs = 0
-                    yield Cursor(c.epoch, c.file, c.chunk), np.stack(rows)
-                    rows = []
-            c.file, c.chunk = c.file + 1, 0
-            if c.file == len(self.files):
-                c.epoch, c.file = c.epoch + 1, 0
-                empty_epochs += 1
-                if empty_epochs > 1:
+            while len(c.active) < self.cfg.interleave and c.next_file < len(self.files):
+                c.active.append([self._order(c.epoch)[c.next_file], 0])
+                c.next_file += 1
+            if not c.active:  # the epoch is over
+                c.epoch, c.next_file, c.turn = c.epoch + 1, 0, 0
+                if since_batch > len(self.files):
                     raise AtomError("the streamed text is too short for one batch")
+                continue
+            c.turn %= len(c.active)
+            f, k = c.active[c.turn]
+            if f not in cache:
+                cache[f] = self._chunks(f)
+            since_batch += 1
+            if k >= len(cache[f]):
+                cache.pop(f, None)
+                c.active.pop(c.turn)
+                continue
+            rows.append(cache[f][k])
+            c.active[c.turn][1] += 1
+            c.turn += 1
+            if len(rows) == self.cfg.rows:
+                since_batch = 0
+                yield c.copy(), np.stack(rows)
+                rows = []
 
     def _produce(self, start: Cursor, q: queue.Queue, stop: threading.Event) -> None:
         t_next = time.perf_counter()
@@ -116,9 +141,12 @@ class StreamingSource:
         if self._thread is None:
             self._stop = threading.Event()
             self._queue = queue.Queue(maxsize=max(self.cfg.prefetch, 1))
-            self._thread = threading.Thread(target=self._produce, daemon=True,
-                                            args=(self.cursor, self._queue, self._stop),
-                                            name="atom-stream")
+            self._thread = threading.Thread(
+                target=self._produce,
+                daemon=True,
+                args=(self.cursor, self._queue, self._stop),
+                name="atom-stream",
+            )
             self._thread.start()
         assert self._queue is not None
         return self._queue
@@ -138,11 +166,22 @@ class StreamingSource:
 
     def state_dict(self) -> dict:
         c = self.cursor
-        return {"epoch": c.epoch, "file": c.file, "chunk": c.chunk, "produced": self.produced}
+        return {
+            "epoch": c.epoch,
+            "next_file": c.next_file,
+            "active": c.active,
+            "turn": c.turn,
+            "produced": self.produced,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.close()
-        self.cursor = Cursor(int(state["epoch"]), int(state["file"]), int(state["chunk"]))
+        self.cursor = Cursor(
+            int(state["epoch"]),
+            int(state["next_file"]),
+            [[int(f), int(k)] for f, k in state["active"]],
+            int(state["turn"]),
+        )
         self.produced = int(state["produced"])
 
     def close(self) -> None:

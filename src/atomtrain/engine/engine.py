@@ -139,6 +139,9 @@ class SwapEngine:
         """Per sub-model (and -1 for the outer part): work a load must wait for (an optimizer
         step writing the host parameters it would copy)."""
         self.on_grads_ready: Callable[[int, list[Future]], None] | None = None
+        self.boundary_hook: Callable[[str], bool] | None = None
+        """Called before each sub-model's forward and backward: where a scheduler may pause
+        training; a True answer evicts the resident sub-models first (they reload as needed)."""
         self._tails: dict[int, tuple | None] = {}
         self._grad_futures: dict[int, list[Future]] = defaultdict(list)
         self._outer_dev: dict[str, torch.Tensor] | None = None
@@ -244,6 +247,20 @@ class SwapEngine:
                     loaded.blocks[j][local].requires_grad_(True)
             self.resident[k] = loaded
         return self.resident[k]
+
+    def _boundary(self, where: str) -> None:
+        if self.boundary_hook is not None and self.boundary_hook(where):
+            self.evict_all()
+            self.trace.record("evicted", -1)
+
+    def evict_all(self) -> None:
+        """Drop every sub-model from the device (loads in flight finish first)."""
+        for k, fut in list(self.pending.items()):
+            fut.result()
+            self.memory.release(self.submodel_bytes[k])
+        self.pending.clear()
+        for k in list(self.resident):
+            self._evict(k)
 
     def _evict(self, k: int) -> None:
         loaded = self.resident.pop(k, None)
@@ -354,6 +371,7 @@ class SwapEngine:
         k = self.sub_of[i]
         sub = self.plan.submodels[k]
         if i == sub.start:
+            self._boundary(f"forward {k}")
             self._acquire(k)
             self.trace.record("compute_start", k)
             if k + 1 < len(self.plan.submodels):
@@ -471,6 +489,7 @@ class SwapEngine:
         k = self.sub_of[i]
         sub = self.plan.submodels[k]
         if i == sub.end - 1:
+            self._boundary(f"backward {k}")
             self._acquire(k)
             self.trace.record("bwd_start", k)
             if k > 0:

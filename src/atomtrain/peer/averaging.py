@@ -52,9 +52,17 @@ def _chunk_sizes(numel: int, chunks: int) -> list[int]:
 class ProbedAverager:
     """Owns the averager and its tensor layout; one round at a time."""
 
-    def __init__(self, dht: DHT, prefix: str, numel: int, compression: str,
-                 matchmaking_s: float, timeout_s: float, target_group_size: int,
-                 state_provider: Any) -> None:
+    def __init__(
+        self,
+        dht: DHT,
+        prefix: str,
+        numel: int,
+        compression: str,
+        matchmaking_s: float,
+        timeout_s: float,
+        target_group_size: int,
+        state_provider: Any,
+    ) -> None:
         self.numel = numel
         self.timeout_s = timeout_s
         sizes = _chunk_sizes(numel, CHUNKS_PER_VECTOR)
@@ -71,24 +79,35 @@ class ProbedAverager:
         self._state_provider = state_provider
         averager_cls = _averager_class(state_provider)
         self.averager = averager_cls(
-            tensors, dht, prefix=prefix, start=True, target_group_size=target_group_size,
-            min_group_size=2, min_matchmaking_time=matchmaking_s, request_timeout=1.0,
-            allreduce_timeout=timeout_s, next_chunk_timeout=max(timeout_s / 3, 2.0),
-            compression=PerTensorCompression(codecs), state_compression=NoCompression(),
-            allow_state_sharing=True, declare_state_period=5.0, shutdown_timeout=3.0,
+            tensors,
+            dht,
+            prefix=prefix,
+            start=True,
+            target_group_size=target_group_size,
+            min_group_size=2,
+            min_matchmaking_time=matchmaking_s,
+            request_timeout=1.0,
+            allreduce_timeout=timeout_s,
+            next_chunk_timeout=max(timeout_s / 3, 2.0),
+            compression=PerTensorCompression(codecs),
+            state_compression=NoCompression(),
+            allow_state_sharing=True,
+            declare_state_period=5.0,
+            shutdown_timeout=3.0,
         )
         self._probe = 0.0
         self._control: Any = None
 
     # --- writing and reading the flat vectors -----------------------------------------------
 
-    def _write(self, tensors: tuple, delta: torch.Tensor, theta_sync: torch.Tensor,
-               probe: float) -> None:
+    def _write(
+        self, tensors: tuple, delta: torch.Tensor, theta_sync: torch.Tensor, probe: float
+    ) -> None:
         pos, t = 0, 0
         for vector in (delta, theta_sync):
             pos = 0
             for n in self.sizes:
-                tensors[t].copy_(vector[pos: pos + n])
+                tensors[t].copy_(vector[pos : pos + n])
                 tensors[t + 1].fill_(probe)
                 pos, t = pos + n, t + 2
 
@@ -98,22 +117,24 @@ class ProbedAverager:
         for vector in vectors:
             pos = 0
             for n in self.sizes:
-                vector[pos: pos + n].copy_(tensors[t])
+                vector[pos : pos + n].copy_(tensors[t])
                 probes.append(float(tensors[t + 1]))
                 pos, t = pos + n, t + 2
         return vectors[0], vectors[1], probes
 
     # --- a round ------------------------------------------------------------------------------
 
-    def start(self, delta: torch.Tensor, theta_sync: torch.Tensor, weight: float,
-              info: dict[str, Any]) -> None:
+    def start(
+        self, delta: torch.Tensor, theta_sync: torch.Tensor, weight: float, info: dict[str, Any]
+    ) -> None:
         assert self._control is None, "a round is already running"
         self._probe = random.uniform(1.0, 2.0)
         with self.averager.get_tensors() as tensors:
             self._write(tensors, delta, theta_sync, self._probe)
         gather = {**info, "probe": self._probe, "weight": weight}
-        self._control = self.averager.step(wait=False, weight=max(weight, 1e-6),
-                                           timeout=self.timeout_s, gather=gather)
+        self._control = self.averager.step(
+            wait=False, weight=max(weight, 1e-6), timeout=self.timeout_s, gather=gather
+        )
 
     @property
     def running(self) -> bool:
@@ -146,8 +167,10 @@ class ProbedAverager:
             delta, theta_sync, probes = self._read(tensors)
         bad = [i for i, p in enumerate(probes) if abs(p - expected) > 1e-5 * abs(expected)]
         if bad:
-            raise RoundFailed(f"partial round: {len(bad)} of {len(probes)} probes unaveraged "
-                              f"(a group member left mid-round); discarded")
+            raise RoundFailed(
+                f"partial round: {len(bad)} of {len(probes)} probes unaveraged "
+                f"(a group member left mid-round); discarded"
+            )
         return RoundResult(delta, theta_sync, len(peers), peers)
 
     def download_state(self, timeout_s: float) -> tuple[dict, list[torch.Tensor]] | None:
@@ -166,7 +189,7 @@ def _averager_class(provider: Any) -> type[DecentralizedAverager]:
     class StateSharingAverager(DecentralizedAverager):
         """Serves the peer's state (metadata, tensors) to joiners."""
 
-        def get_current_state(self):  # type: ignore[no-untyped-def]
+        def get_current_state(self):
             metadata, tensors = provider()
             return metadata, tensors, None
 

@@ -4,9 +4,11 @@ from its checkpoint. Used by `atomtrain bench churn` and by the tests, with real
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +36,14 @@ class ChurnConfig:
     """Restart the killed peer from its last checkpoint."""
     averaging_timeout_s: float = 20.0
     overrides: tuple[str, ...] = (
-        "--model.preset=small", "--data.seq_len=64", "--data.rows=8",
-        "--train.micro_batch_rows=8", "--train.checkpoint_interval=20", "--train.eval_interval=60",
-        "--train.warmup_steps=10", "--train.lr=2e-3",
+        "--model.preset=small",
+        "--data.seq_len=64",
+        "--data.rows=8",
+        "--train.micro_batch_rows=8",
+        "--train.checkpoint_interval=20",
+        "--train.eval_interval=60",
+        "--train.warmup_steps=10",
+        "--train.lr=2e-3",
     )
 
 
@@ -58,7 +65,7 @@ def _last_step(peer: PeerProcess) -> int:
     return max((r.get("step", 0) for r in recs), default=0)
 
 
-def _wait(pred, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+def _wait(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if pred():
@@ -74,8 +81,12 @@ def _final_params(peer: PeerProcess) -> dict[str, torch.Tensor] | None:
 
 def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutcome:
     n = cfg.peers
-    common = [*cfg.overrides, f"--train.steps={cfg.steps}", f"--peer.sync_every={cfg.sync_every}",
-              f"--peer.averaging_timeout_s={cfg.averaging_timeout_s}"]
+    common = [
+        *cfg.overrides,
+        f"--train.steps={cfg.steps}",
+        f"--peer.sync_every={cfg.sync_every}",
+        f"--peer.averaging_timeout_s={cfg.averaging_timeout_s}",
+    ]
     swarm = Swarm(name, out_dir, name, common, wait_for=n, expected=n + 1)
     first = swarm.launch(0, n, None)
     try:
@@ -96,11 +107,18 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
         restarted = None
         if cfg.restart_killed and latest_checkpoint(victim.run_dir) is not None:
             done = _last_step(victim)
-            restarted = swarm.launch(n - 1, n, addr, ["--resume", str(victim.run_dir),
-                                                      f"--train.steps={done + remaining}"])
+            restarted = swarm.launch(
+                n - 1,
+                n,
+                addr,
+                ["--resume", str(victim.run_dir), f"--train.steps={done + remaining}"],
+            )
         time.sleep(5.0)
-        alive = [pid for pid in helpers if psutil.pid_exists(pid)
-                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        alive = [
+            pid
+            for pid in helpers
+            if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        ]
         _wait(lambda: not swarm.running(), 600, "the swarm to finish")
     finally:
         if swarm.running():
@@ -110,22 +128,24 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
     stalls = []
     for recs in metrics.values():
         times = [r["elapsed_s"] for r in recs if "elapsed_s" in r]
-        stalls.append(max((b - a for a, b in zip(times, times[1:])), default=0.0))
+        stalls.append(max((b - a for a, b in itertools.pairwise(times)), default=0.0))
     joiner_recs = read_metrics(joiner.run_dir / "metrics.jsonl")
-    first = [r["first_contribution_s"] for r in joiner_recs if "first_contribution_s" in r]
+    contributed = [r["first_contribution_s"] for r in joiner_recs if "first_contribution_s" in r]
     params = [x for x in (_final_params(p) for p in finishers) if x is not None]
     spread = 0.0
     for other in params[1:]:
         spread = max(spread, max(float((params[0][k] - other[k]).abs().max()) for k in other))
-    finals = [next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), float("nan"))
-              for recs in metrics.values()]
+    finals = [
+        next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), float("nan"))
+        for recs in metrics.values()
+    ]
     result = {
         "peers": n,
         "killed": 1,
         "joined": 1 + (1 if restarted else 0),
         "survivor_steps_lost": sum(cfg.steps - _last_step(p) for p in survivors),
         "max_survivor_stall_s": max(stalls),
-        "join_to_first_contribution_s": first[0] if first else None,
+        "join_to_first_contribution_s": contributed[0] if contributed else None,
         "final_loss": sum(finals) / len(finals),
         "param_spread": spread,
         "averaging_timeout_s": cfg.averaging_timeout_s,

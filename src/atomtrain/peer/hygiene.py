@@ -8,6 +8,7 @@ peer keeps its own process group, so Ctrl-C from a terminal still reaches it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,9 +22,12 @@ SNAPSHOT_S = 0.25
 
 def start_watchdog() -> subprocess.Popen:
     """Watch this process; returns the watchdog, which exits by itself after this one does."""
-    return subprocess.Popen([sys.executable, "-m", "atomtrain.peer.hygiene", str(os.getpid())],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, "-m", "atomtrain.peer.hygiene", str(os.getpid())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -45,10 +49,8 @@ def watch(pid: int) -> None:
             break
         for p in _descendants(pid):
             if p.pid != me:
-                try:
+                with contextlib.suppress(psutil.Error):
                     known[p.pid] = p.create_time()
-                except psutil.Error:
-                    pass
         time.sleep(SNAPSHOT_S)
     for child_pid, created in known.items():
         try:

@@ -6,6 +6,7 @@ Every peer is a plain `atomtrain train --swarm ...` process, started as a user w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,25 +48,44 @@ class Swarm:
     peers: list[PeerProcess] = field(default_factory=list)
 
     def peer_args(self, i: int, n: int, join: str | None) -> list[str]:
-        args = [sys.executable, "-m", "atomtrain.cli.main", "train", "--quiet", "--no-sample",
-                f"--peer.swarm={self.name}", f"--peer.index={i}", f"--peer.num_peers={n}",
-                f"--run.name={self.base}-peer{i}", f"--run.out_dir={self.out_dir}",
-                f"--peer.wait_for={self.wait_for}", *self.overrides]
+        args = [
+            sys.executable,
+            "-m",
+            "atomtrain.cli.main",
+            "train",
+            "--quiet",
+            "--no-sample",
+            f"--peer.swarm={self.name}",
+            f"--peer.index={i}",
+            f"--peer.num_peers={n}",
+            f"--run.name={self.base}-peer{i}",
+            f"--run.out_dir={self.out_dir}",
+            f"--peer.wait_for={self.wait_for}",
+            *self.overrides,
+        ]
         if join:
             args.append(f"--peer.join={join}")
         return args
 
-    def launch(self, i: int, n: int, join: str | None, extra: list[str] | None = None) -> PeerProcess:
+    def launch(
+        self, i: int, n: int, join: str | None, extra: list[str] | None = None
+    ) -> PeerProcess:
         run_dir = self.out_dir / f"{self.base}-peer{i}"
         log_path = self.out_dir / f"{self.base}-peer{i}.log"
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        log = open(log_path, "w")
+        log = open(log_path, "w")  # noqa: SIM115 (the child process writes it; closed below)
         # Peers sharing this machine split its cores instead of each taking all of them.
         threads = str(max(1, (os.cpu_count() or 1) // max(self.expected, 1)))
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads)
-        proc = subprocess.Popen([*self.peer_args(i, n, join), *(extra or [])],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            [*self.peer_args(i, n, join), *(extra or [])],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+        log.close()
         peer = PeerProcess(i, run_dir, log_path, proc)
         self.peers.append(peer)
         return peer
@@ -78,18 +98,17 @@ class Swarm:
                 return addr
             if peer.proc.poll() is not None:
                 tail = peer.log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
-                raise AtomError(f"peer {peer.index} exited with code {peer.proc.returncode}: "
-                                f"{tail[0]}")
+                raise AtomError(
+                    f"peer {peer.index} exited with code {peer.proc.returncode}: {tail[0]}"
+                )
             time.sleep(0.2)
         raise AtomError(f"peer {peer.index} did not start within {STARTUP_TIMEOUT_S:.0f}s")
 
     def signal_all(self, sig: int) -> None:
         for p in self.peers:
             if p.proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.proc.pid, sig)
-                except ProcessLookupError:
-                    pass
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Ctrl-C for every peer (each checkpoints), then SIGKILL for any still running."""

@@ -12,6 +12,7 @@ only, never a half-averaged vector).
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -67,8 +68,9 @@ def digest(flat: torch.Tensor) -> str:
 
 
 class PeerRuntime:
-    def __init__(self, cfg: PeerSection, runner: StepRunner, name: str, total_steps: int,
-                 run_dir: Path) -> None:
+    def __init__(
+        self, cfg: PeerSection, runner: StepRunner, name: str, total_steps: int, run_dir: Path
+    ) -> None:
         self.cfg = cfg
         self.runner = runner
         self.name = name
@@ -96,7 +98,7 @@ class PeerRuntime:
         self._tokens_per_s = 0.0
         self.dht: DHT | None = None
         self.averager: ProbedAverager | None = None
-        self.watchdog = None
+        self.watchdog: subprocess.Popen | None = None
 
     # --- flat views of the host parameters ------------------------------------------------------
 
@@ -110,7 +112,7 @@ class PeerRuntime:
         pos = 0
         for n in self.names:
             p = params[n]
-            p.copy_(flat[pos: pos + p.numel()].view_as(p).to(p))
+            p.copy_(flat[pos : pos + p.numel()].view_as(p).to(p))
             pos += p.numel()
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -121,14 +123,23 @@ class PeerRuntime:
         lower_helper_priority()
         initial = [a.strip() for a in self.cfg.join.split(",") if a.strip()]
         try:
-            self.dht = DHT(initial_peers=initial, host_maddrs=[
-                f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"], start=True)
+            self.dht = DHT(
+                initial_peers=initial,
+                host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
+                start=True,
+            )
         except Exception as e:
             raise AtomError(f"cannot start or join the swarm ({type(e).__name__}: {e})") from None
         self.averager = ProbedAverager(
-            self.dht, f"{self.cfg.swarm}_avg", self.numel, self.cfg.compression,
-            self.cfg.matchmaking_s, self.cfg.averaging_timeout_s, self.cfg.target_group_size,
-            self._shared_state)
+            self.dht,
+            f"{self.cfg.swarm}_avg",
+            self.numel,
+            self.cfg.compression,
+            self.cfg.matchmaking_s,
+            self.cfg.averaging_timeout_s,
+            self.cfg.target_group_size,
+            self._shared_state,
+        )
         if resumed is not None:
             self._load(resumed["meta"], resumed["tensors"])
             log.info("resumed at round %d from the checkpoint", self.round)
@@ -136,8 +147,9 @@ class PeerRuntime:
             self._catch_up()
         self._write_addrs()
         self._stop_publishing = threading.Event()
-        self._publisher = threading.Thread(target=self._publish_loop, daemon=True,
-                                           name="atom-status")
+        self._publisher = threading.Thread(
+            target=self._publish_loop, daemon=True, name="atom-status"
+        )
         self._publisher.start()
         self._wait_for_peers()
 
@@ -166,7 +178,8 @@ class PeerRuntime:
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.addrs = addrs
         (self.run_dir / "peer.json").write_text(
-            __import__("json").dumps({"name": self.name, "addrs": addrs}))
+            __import__("json").dumps({"name": self.name, "addrs": addrs})
+        )
         log.info("peer %s listening; others join with --join %s", self.name, addrs[0])
 
     def _catch_up(self) -> None:
@@ -179,8 +192,11 @@ class PeerRuntime:
             state = self.averager.download_state(timeout_s=10.0)
             if state is not None:
                 self._load(*state)
-                log.info("joined at round %d with the swarm's parameters (parameters %s)",
-                         self.round, digest(self._flat()))
+                log.info(
+                    "joined at round %d with the swarm's parameters (parameters %s)",
+                    self.round,
+                    digest(self._flat()),
+                )
                 return
             time.sleep(1.0)
         log.warning("no peer shared its state; starting from this peer's own parameters")
@@ -201,8 +217,10 @@ class PeerRuntime:
 
     def extra_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """For checkpoints: round counter, synchronized parameters, outer momentum."""
-        return ({"peer_round": self.round},
-                {"peer/theta_sync": self.theta_sync.clone(), "peer/momentum": self.outer.buf})
+        return (
+            {"peer_round": self.round},
+            {"peer/theta_sync": self.theta_sync.clone(), "peer/momentum": self.outer.buf},
+        )
 
     # --- rounds ---------------------------------------------------------------------------------
 
@@ -215,8 +233,11 @@ class PeerRuntime:
         last = state.step >= self.total_steps
         if last and self.cfg.final_sync:
             self._final_round(record)
-        elif self.averager is not None and not self.averager.running \
-                and self.steps_since_round >= self.cfg.sync_every:
+        elif (
+            self.averager is not None
+            and not self.averager.running
+            and self.steps_since_round >= self.cfg.sync_every
+        ):
             self._start_round()
         record["round"] = self.round
         self._step = state.step
@@ -225,9 +246,12 @@ class PeerRuntime:
         assert self.averager is not None
         theta = self._flat()
         self.snapshot = theta
-        self.averager.start(self.theta_sync - theta, self.theta_sync, float(self.round_tokens),
-                            {"name": self.name, "round": self.round,
-                             "tokens": self.round_tokens})
+        self.averager.start(
+            self.theta_sync - theta,
+            self.theta_sync,
+            float(self.round_tokens),
+            {"name": self.name, "round": self.round, "tokens": self.round_tokens},
+        )
         self._round_started = time.time()
         self.steps_since_round = 0
         self.round_tokens = 0
@@ -298,8 +322,11 @@ class PeerRuntime:
         others: list[PeerStatus] = []
         while time.time() < deadline:
             now = time.time()
-            others = [s for s in read_statuses(self.dht, self.cfg.swarm)
-                      if s.name != self.name and s.fresh(now)]
+            others = [
+                s
+                for s in read_statuses(self.dht, self.cfg.swarm)
+                if s.name != self.name and s.fresh(now)
+            ]
             if all(s.finishing for s in others):
                 break
             time.sleep(0.25)
@@ -314,11 +341,23 @@ class PeerRuntime:
         now = time.time()
         if self.dht is None:
             return
-        publish(self.dht, self.cfg.swarm, self.name, PeerStatus(
-            name=self.name, round=self.round, step=step, loss=self._last_loss,
-            tokens_per_s=self._tokens_per_s, last_sync=self.last_sync,
-            failed_rounds=self.failed_rounds, addrs=tuple(getattr(self, "addrs", ())[:2]),
-            updated=now, finishing=self._finishing))
+        publish(
+            self.dht,
+            self.cfg.swarm,
+            self.name,
+            PeerStatus(
+                name=self.name,
+                round=self.round,
+                step=step,
+                loss=self._last_loss,
+                tokens_per_s=self._tokens_per_s,
+                last_sync=self.last_sync,
+                failed_rounds=self.failed_rounds,
+                addrs=tuple(getattr(self, "addrs", ())[:2]),
+                updated=now,
+                finishing=self._finishing,
+            ),
+        )
 
     def shutdown(self) -> None:
         if getattr(self, "_publisher", None) is not None:

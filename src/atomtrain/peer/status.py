@@ -37,14 +37,18 @@ class PeerStatus:
         if not isinstance(value, dict):
             return None
         try:
-            return cls(name=str(value["name"])[:64], round=int(value["round"]),
-                       step=int(value["step"]), loss=float(value["loss"]),
-                       tokens_per_s=float(value["tokens_per_s"]),
-                       last_sync=float(value["last_sync"]),
-                       failed_rounds=int(value.get("failed_rounds", 0)),
-                       addrs=tuple(str(a) for a in value.get("addrs", ())[:8]),
-                       updated=float(value.get("updated", 0.0)),
-                       finishing=bool(value.get("finishing", False)))
+            return cls(
+                name=str(value["name"])[:64],
+                round=int(value["round"]),
+                step=int(value["step"]),
+                loss=float(value["loss"]),
+                tokens_per_s=float(value["tokens_per_s"]),
+                last_sync=float(value["last_sync"]),
+                failed_rounds=int(value.get("failed_rounds", 0)),
+                addrs=tuple(str(a) for a in value.get("addrs", ())[:8]),
+                updated=float(value.get("updated", 0.0)),
+                finishing=bool(value.get("finishing", False)),
+            )
         except (KeyError, TypeError, ValueError):
             return None
 
@@ -56,8 +60,13 @@ def status_key(swarm: str) -> str:
 def publish(dht: DHT, swarm: str, peer_id: str, status: PeerStatus) -> None:
     record = asdict(status)
     record["addrs"] = list(status.addrs)
-    dht.store(status_key(swarm), subkey=peer_id, value=record,
-              expiration_time=get_dht_time() + STATUS_TTL_S, return_future=True)
+    dht.store(
+        status_key(swarm),
+        subkey=peer_id,
+        value=record,
+        expiration_time=get_dht_time() + STATUS_TTL_S,
+        return_future=True,
+    )
 
 
 def read_statuses(dht: DHT, swarm: str) -> list[PeerStatus]:
@@ -74,9 +83,18 @@ def read_statuses(dht: DHT, swarm: str) -> list[PeerStatus]:
 
 def status_rows(statuses: list[PeerStatus]) -> list[list[str]]:
     now = time.time()
-    return [[s.name, str(s.round), str(s.step), f"{s.loss:.3f}", f"{s.tokens_per_s:.0f}",
-             f"{now - s.last_sync:.1f}s" if s.last_sync else "never", str(s.failed_rounds)]
-            for s in statuses]
+    return [
+        [
+            s.name,
+            str(s.round),
+            str(s.step),
+            f"{s.loss:.3f}",
+            f"{s.tokens_per_s:.0f}",
+            f"{now - s.last_sync:.1f}s" if s.last_sync else "never",
+            str(s.failed_rounds),
+        ]
+        for s in statuses
+    ]
 
 
 STATUS_HEADERS = ["peer", "round", "step", "loss", "tokens/s", "since sync", "failed"]

@@ -9,8 +9,8 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -89,11 +89,21 @@ def streaming_loader(cfg: RunConfig, shards: TokenShards) -> EchoingLoader:
     held_out = set(shards.manifest.get("val_documents", []))
     files = [f for f in resolve_sources(d.source) if str(f) not in held_out]
     source = StreamingSource(
-        files, StreamConfig(rows=d.rows, chunk_len=d.seq_len + 1 + REUSE_SLACK, seed=d.seed,
-                            rate_tokens_per_s=d.input_rate),
-        shards.tokenizer, cfg.peer.index, cfg.peer.num_peers)
-    return EchoingLoader(source, ReuseConfig(enabled=d.reuse == "auto", max_echo=d.max_echo,
-                                             seq_len=d.seq_len, seed=d.seed))
+        files,
+        StreamConfig(
+            rows=d.rows,
+            chunk_len=d.seq_len + 1 + REUSE_SLACK,
+            seed=d.seed,
+            rate_tokens_per_s=d.input_rate,
+        ),
+        shards.tokenizer,
+        cfg.peer.index,
+        cfg.peer.num_peers,
+    )
+    return EchoingLoader(
+        source,
+        ReuseConfig(enabled=d.reuse == "auto", max_echo=d.max_echo, seq_len=d.seq_len, seed=d.seed),
+    )
 
 
 def model_config(cfg: ModelSection, vocab_size: int, seq_len: int) -> GPTConfig:
@@ -186,11 +196,17 @@ def open_session(
     model = build_model(mc, cfg.train.seed)
     params = dict(model.named_parameters())
     opt = AdamW(params, cfg.optim)
-    loader_cfg = LoaderConfig(rows=cfg.data.rows, seq_len=cfg.data.seq_len, seed=cfg.data.seed,
-                              peer_index=cfg.peer.index, num_peers=cfg.peer.num_peers)
+    loader_cfg = LoaderConfig(
+        rows=cfg.data.rows,
+        seq_len=cfg.data.seq_len,
+        seed=cfg.data.seed,
+        peer_index=cfg.peer.index,
+        num_peers=cfg.peer.num_peers,
+    )
     sampler = WindowSampler(shards, loader_cfg)
     loader: TrainLoader | EchoingLoader = (
-        streaming_loader(cfg, shards) if cfg.data.input == "stream" else TrainLoader(sampler))
+        streaming_loader(cfg, shards) if cfg.data.input == "stream" else TrainLoader(sampler)
+    )
     state = TrainState()
     if ckpt is not None:
         check_matches(ckpt, params)

@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ class Trainer:
     """Called after each optimizer step with its metrics record, before validation and
     checkpoints (the peer runtime runs its rounds here and adds to the record)."""
     extra_state: Callable[[], tuple[dict[str, Any], dict[str, torch.Tensor]]] | None = None
+    step_context: Callable[[], AbstractContextManager[Any]] = nullcontext
+    """Entered around each optimizer step (the device scheduler's, when serving beside)."""
     """More state for checkpoints: JSON fields and tensors (the peer runtime's)."""
 
     def __post_init__(self) -> None:
@@ -86,13 +89,19 @@ class Trainer:
     def _one_step(self) -> dict[str, Any]:
         x, y = self.loader.next_batch()
         lr = lr_at(self.state.step, self.cfg)
-        out = self.runner.train_step(x, y, lr)
+        with self.step_context():
+            out = self.runner.train_step(x, y, lr)
         if not math.isfinite(out["grad_norm"]):
             log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
         self.state.step += 1
         self.state.tokens += x.numel()
-        record = {"step": self.state.step, "lr": lr, "tokens": self.state.tokens,
-                  "tokens_step": x.numel(), **out}
+        record = {
+            "step": self.state.step,
+            "lr": lr,
+            "tokens": self.state.tokens,
+            "tokens_step": x.numel(),
+            **out,
+        }
         stats = getattr(self.loader, "stats", None)
         if stats is not None:  # data echoing reports its echo factor
             record.update(stats())
@@ -119,7 +128,12 @@ class Trainer:
         if self.extra_state is not None:
             fields, tensors = self.extra_state()
             state.update(fields)
-        save_checkpoint(path, self.runner.host_parameters(), self.runner.optimizer.state_dict(),
-                        state, extra=tensors)
+        save_checkpoint(
+            path,
+            self.runner.host_parameters(),
+            self.runner.optimizer.state_dict(),
+            state,
+            extra=tensors,
+        )
         prune_checkpoints(self.run_dir, self.cfg.keep_checkpoints)
         return path

@@ -1,0 +1,2 @@
+"""Sharing the device: a scheduler that preempts training at sub-model boundaries, and the
+inference service that uses it."""
