@@ -40,6 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--max-echo", type=int, default=4)
     r.set_defaults(func=run_reuse)
 
+    q = bsub.add_parser("preempt", help="inference latency beside training, with preemption")
+    q.add_argument("--json", action="store_true", help="print only the JSON result")
+    q.add_argument("--requests", type=int, default=25)
+    q.add_argument("--max-tokens", type=int, default=16)
+    q.set_defaults(func=run_preempt)
+
 
 def _emit(result: dict, as_json: bool) -> None:
     if as_json:
@@ -91,4 +97,12 @@ def run_reuse(args: argparse.Namespace, _extra: list[str]) -> int:
         input_slowdown=args.input_slowdown, steps=args.steps, max_echo=args.max_echo
     )
     _emit(run_reuse_bench(cfg), args.json)
+    return 0
+
+
+def run_preempt(args: argparse.Namespace, _extra: list[str]) -> int:
+    from atomtrain.bench.preempt import PreemptBenchConfig, run_preempt_bench
+
+    cfg = PreemptBenchConfig(requests=args.requests, max_tokens=args.max_tokens)
+    _emit(run_preempt_bench(cfg), args.json)
     return 0

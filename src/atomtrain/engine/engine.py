@@ -139,9 +139,9 @@ class SwapEngine:
         """Per sub-model (and -1 for the outer part): work a load must wait for (an optimizer
         step writing the host parameters it would copy)."""
         self.on_grads_ready: Callable[[int, list[Future]], None] | None = None
-        self.boundary_hook: Callable[[str], bool] | None = None
-        """Called before each sub-model's forward and backward: where a scheduler may pause
-        training; a True answer evicts the resident sub-models first (they reload as needed)."""
+        self.boundary_hook: Callable[[str, Callable[[], None]], None] | None = None
+        """Called before each sub-model's forward and backward, with a function that evicts
+        the resident sub-models: where a scheduler may pause training (and make room)."""
         self._tails: dict[int, tuple | None] = {}
         self._grad_futures: dict[int, list[Future]] = defaultdict(list)
         self._outer_dev: dict[str, torch.Tensor] | None = None
@@ -249,9 +249,12 @@ class SwapEngine:
         return self.resident[k]
 
     def _boundary(self, where: str) -> None:
-        if self.boundary_hook is not None and self.boundary_hook(where):
-            self.evict_all()
-            self.trace.record("evicted", -1)
+        if self.boundary_hook is not None:
+            self.boundary_hook(where, self._evict_for_other_job)
+
+    def _evict_for_other_job(self) -> None:
+        self.evict_all()
+        self.trace.record("evicted", -1)
 
     def evict_all(self) -> None:
         """Drop every sub-model from the device (loads in flight finish first)."""

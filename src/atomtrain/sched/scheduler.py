@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from atomtrain.engine.memory import DeviceMemory
@@ -37,26 +37,25 @@ class DeviceScheduler:
 
     # --- the training job ---------------------------------------------------------------------
 
-    def train_boundary(self, where: str) -> bool:
-        """Called by training between sub-models; blocks while inference has the device.
-        Returns True when training must evict its resident sub-models before going on."""
+    def train_boundary(self, where: str, evict: Callable[[], None] | None = None) -> None:
+        """Called by training between sub-models; blocks while inference has the device. When
+        a request needs the memory, `evict` drops training's resident sub-models first."""
         with self._cond:
             if not self.preemptive:
-                return False
-            self._training = False
-            self._cond.notify_all()
-            evict = False
+                return
             if self._pending or self._inferring:
                 self.preemptions += 1
                 self._record("preempted", where)
+                if self._evict and evict is not None:
+                    evict()
+                    self._record("evicted", where)
+                self._evict = False
+                self._training = False
+                self._cond.notify_all()
                 while self._pending or self._inferring:
-                    evict = evict or self._evict
                     self._cond.wait()
                 self._record("resumed", where)
-            evict = evict or self._evict
-            self._evict = False
             self._training = True
-            return evict
 
     @contextmanager
     def train_step(self) -> Iterator[None]:
