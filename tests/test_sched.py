@@ -129,30 +129,36 @@ def test_evicting_at_every_boundary_changes_nothing():
 
 
 def test_a_request_that_needs_memory_evicts_training_first():
-    sched = DeviceScheduler(preemptive=True)
-    model = tiny_model()
-    runner = make_runner(model)
-    sched.memory = runner.engine.memory
-    runner.engine.boundary_hook = sched.train_boundary
     x, y = batches(1)[0]
-    seen: list[int] = []
+    runner = make_runner(tiny_model())
+    eng = runner.engine
+    sched = DeviceScheduler(preemptive=True, memory=eng.memory)
+    served: list[int] = []
+    asker: list[threading.Thread] = []
 
-    def ask() -> None:
-        mem = runner.engine.memory
-        while mem.used == 0:  # wait until training is on the device
-            time.sleep(0.001)
-        need = mem.budget_bytes - mem.used + 1  # does not fit beside training as it is now
+    def ask(need: int) -> None:
         with sched.inference(need):
-            seen.append(mem.used)  # reserved: training made room
+            served.append(eng.memory.used)  # with the request's own reservation
 
-    t = threading.Thread(target=ask)
-    t.start()
+    def boundary(where: str, evict) -> None:
+        if where == "backward 3" and not asker:  # sub-model 3 is resident here
+            resident = sum(ld.nbytes for ld in eng.resident.values()) + sum(
+                eng.submodel_bytes[k] for k in eng.pending
+            )
+            need = eng.memory.budget_bytes - (eng.memory.used - resident)  # fits once it left
+            asker.append(threading.Thread(target=ask, args=(need,)))
+            asker[0].start()
+            while sched._pending == 0:
+                time.sleep(0.001)
+        sched.train_boundary(where, evict)
+
+    eng.boundary_hook = boundary
     with sched.train_step():
         runner.train_step(x, y, 1e-3)
-    t.join()
+    asker[0].join()
     runner.close()
-    assert any(e[1] == "evicted" for e in sched.trace)
-    assert seen and seen[0] <= runner.engine.memory.budget_bytes
+    assert served == [eng.memory.budget_bytes]  # the request got all the room it asked for
+    assert [e[2] for e in sched.trace if e[1] == "evicted"] == ["backward 3"]
 
 
 def test_completions_beside_training_equal_those_of_the_same_parameters_alone():

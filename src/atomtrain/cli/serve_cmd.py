@@ -29,7 +29,7 @@ def run(args: argparse.Namespace, _extra: list[str]) -> int:
         server = start_server(InferenceService(model, tok), args.host, args.port)
     except OSError as e:
         raise AtomError(f"cannot listen on {args.host}:{args.port} ({e.strerror})") from None
-    host, port = server.server_address[:2]
+    host, port = str(server.server_address[0]), int(server.server_address[1])
     print(
         f"serving {ckpt} on http://{host}:{port}/v1/completions (Ctrl-C stops)",
         file=sys.stderr,

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             from atomtrain.sched.beside import serve_beside_training
 
             server, _ = serve_beside_training(session, "127.0.0.1", args.serve)
-            host, port = server.server_address[:2]
+            host, port = str(server.server_address[0]), int(server.server_address[1])
             print(f"serving completions on http://{host}:{port}/v1/completions", file=sys.stderr)
         bar = None if args.quiet else ProgressBar(cfg.train.steps, trainer.state.step, "train")
         trainer.on_step = bar.update if bar else None

@@ -10,6 +10,7 @@ from typing import Any
 from atomtrain.sched.scheduler import DeviceScheduler
 from atomtrain.sched.serve import InferenceService, start_server
 from atomtrain.train.session import Session
+from atomtrain.train.trainer import TrainState
 
 STAGE_EVERY_S = 1.0
 
@@ -37,7 +38,7 @@ def serve_beside_training(
     previous = trainer.after_step
     last = [time.perf_counter()]
 
-    def after_step(state, record) -> None:  # type: ignore[no-untyped-def]
+    def after_step(state: TrainState, record: dict[str, Any]) -> None:
         if previous is not None:
             previous(state, record)
         if time.perf_counter() - last[0] >= STAGE_EVERY_S:

@@ -28,7 +28,7 @@ class DeviceScheduler:
         self._pending = 0
         self._inferring = False
         self._training = False  # between two boundaries (preemptive) or inside a step
-        self._evict = False
+        self._need = 0  # device bytes the pending requests ask for
         self.trace: list[tuple[float, str, str]] = []
         self.preemptions = 0
 
@@ -46,10 +46,10 @@ class DeviceScheduler:
             if self._pending or self._inferring:
                 self.preemptions += 1
                 self._record("preempted", where)
-                if self._evict and evict is not None:
-                    evict()
+                m = self.memory
+                if evict is not None and m is not None and m.used + self._need > m.budget_bytes:
+                    evict()  # the request needs the room: sub-models reload when training resumes
                     self._record("evicted", where)
-                self._evict = False
                 self._training = False
                 self._cond.notify_all()
                 while self._pending or self._inferring:
@@ -81,12 +81,12 @@ class DeviceScheduler:
         step), reserves `nbytes` of device memory, and has the device to itself."""
         with self._cond:
             self._pending += 1
-            if self.memory is not None and self.memory.used + nbytes > self.memory.budget_bytes:
-                self._evict = True
+            self._need += nbytes
             self._record("request")
             while self._training or self._inferring:
                 self._cond.wait()
             self._pending -= 1
+            self._need -= nbytes
             self._inferring = True
             self._record("infer_start")
         reserved = False

@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -48,7 +49,7 @@ def parse_request(body: bytes) -> dict[str, Any]:
     prompt = req.get("prompt", "")
     if not isinstance(prompt, str):
         raise BadRequest("prompt must be a string")
-    out = {"prompt": prompt}
+    out: dict[str, Any] = {"prompt": prompt}
     checks = {
         "max_tokens": (int, 16, 1, MAX_TOKENS_LIMIT),
         "temperature": (float, 1.0, 0.0, 5.0),
@@ -112,7 +113,7 @@ class InferenceService:
                     own[n].copy_(p)
             self.version = version
 
-    def generate(self, req: dict[str, Any]):  # type: ignore[no-untyped-def]
+    def generate(self, req: dict[str, Any]) -> Iterator[str]:
         """Yields the completion's text piece by piece (one token each)."""
         with self._lock:
             self._refresh()  # between requests, never during one
@@ -122,7 +123,7 @@ class InferenceService:
                 ids = self.tok.encode(req["prompt"]) or [0]
                 idx = torch.tensor([ids], dtype=torch.long, device=device)
                 gen = torch.Generator(device=device).manual_seed(req["seed"])
-                block = self.model.config.block_size  # type: ignore[union-attr]
+                block = int(self.model.config.block_size)  # type: ignore[union-attr, arg-type]
                 pending: list[int] = []
                 for _ in range(req["max_tokens"]):
                     logits, _ = self.model(idx[:, -block:])
