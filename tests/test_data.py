@@ -89,7 +89,7 @@ def test_windows_depend_only_on_seed_peer_and_step(prepared: Path):
     a, b = sampler(prepared), sampler(prepared)
     assert np.array_equal(a.windows("train", 7), b.windows("train", 7))
     assert not np.array_equal(a.windows("train", 7), a.windows("train", 8))
-    other_peer = sampler(prepared, peer_index=1)
+    other_peer = sampler(prepared, peer_index=1, num_peers=2)
     assert not np.array_equal(a.windows("train", 7), other_peer.windows("train", 7))
 
 

@@ -125,10 +125,14 @@ class PeerSection:
     """Time a round waits to gather a group."""
     averaging_timeout_s: float = 30.0
     """Longest a round may take before it counts as failed and training goes on alone."""
+    state_timeout_s: float = 60.0
+    """Longest a joiner waits for one download of the swarm's state (slow links need more)."""
     target_group_size: int = 16
     """Largest group a round forms."""
     final_sync: bool = True
     """Wait for one last round at the end, so that finishing peers agree."""
+    final_wait_s: float = 120.0
+    """Longest a finished peer waits for the others still training before that last round."""
     wait_for: int = 0
     """Before the first step, wait (up to a minute) until this many peers are in the swarm."""
 

@@ -46,6 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--max-tokens", type=int, default=16)
     q.set_defaults(func=run_preempt)
 
+    w = bsub.add_parser("wan", help="Atom against DDP and pipeline parallelism on slow links")
+    w.add_argument("--json", action="store_true", help="print only the JSON result")
+    w.add_argument("--peers", type=int, default=2)
+    w.add_argument("--bandwidth-mbit", type=float, default=1.0)
+    w.add_argument("--budget-s", type=float, default=60.0, help="wall-clock budget per system")
+    w.add_argument("--gpu-to-cpu-ratio", type=float, default=1000.0)
+    w.set_defaults(func=run_wan)
+
 
 def _emit(result: dict, as_json: bool) -> None:
     if as_json:
@@ -105,4 +113,19 @@ def run_preempt(args: argparse.Namespace, _extra: list[str]) -> int:
 
     cfg = PreemptBenchConfig(requests=args.requests, max_tokens=args.max_tokens)
     _emit(run_preempt_bench(cfg), args.json)
+    return 0
+
+
+def run_wan(args: argparse.Namespace, _extra: list[str]) -> int:
+    from atomtrain.bench.netlab import require_root_and_tools
+    from atomtrain.bench.wan import WanBenchConfig, run_wan_bench
+
+    require_root_and_tools()
+    cfg = WanBenchConfig(
+        peers=args.peers,
+        bandwidth_mbit=args.bandwidth_mbit,
+        budget_s=args.budget_s,
+        gpu_to_cpu_ratio=args.gpu_to_cpu_ratio,
+    )
+    _emit(run_wan_bench(cfg), args.json)
     return 0

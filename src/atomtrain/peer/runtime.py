@@ -33,6 +33,8 @@ from atomtrain.train.trainer import TrainState
 log = logging.getLogger(__name__)
 # hivemind logs a failed round as an error with a traceback; the runtime reports it in one line.
 logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+# ...and its DHT requests that time out on a slow link surface as unretrieved asyncio errors.
+logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 PUBLISH_EVERY_S = 1.0
 
@@ -189,7 +191,7 @@ class PeerRuntime:
         if self.round > 0 and self.round >= swarm_round:
             return
         for _ in range(6):  # a fresh swarm may not have declared its state yet
-            state = self.averager.download_state(timeout_s=10.0)
+            state = self.averager.download_state(timeout_s=self.cfg.state_timeout_s)
             if state is not None:
                 self._load(*state)
                 log.info(
@@ -318,7 +320,7 @@ class PeerRuntime:
         if self.averager is None or self.dht is None:
             return
         self._finishing = True
-        deadline = time.time() + self.cfg.averaging_timeout_s
+        deadline = time.time() + self.cfg.final_wait_s
         others: list[PeerStatus] = []
         while time.time() < deadline:
             now = time.time()

@@ -77,7 +77,9 @@ class Trainer:
                 self.after_step(self.state, record)
             last = self.state.step == self.cfg.steps
             if self.state.step % self.cfg.eval_interval == 0 or last:
+                t_eval = time.perf_counter()
                 record["val_loss"] = self._log_eval(write=False)
+                record["eval_s"] = time.perf_counter() - t_eval
             self.metrics.write(record)
             if self.on_step:
                 self.on_step(record)
@@ -89,8 +91,10 @@ class Trainer:
     def _one_step(self) -> dict[str, Any]:
         x, y = self.loader.next_batch()
         lr = lr_at(self.state.step, self.cfg)
+        t0 = time.perf_counter()
         with self.step_context():
             out = self.runner.train_step(x, y, lr)
+        out["step_s"] = time.perf_counter() - t0  # compute time: busy fraction = sum / wall
         if not math.isfinite(out["grad_norm"]):
             log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
         self.state.step += 1

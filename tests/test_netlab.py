@@ -1,0 +1,84 @@
+"""The slow-network lab: real namespaces and tc rate limits, and nothing left behind."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from atomtrain.bench.netlab import NetLab
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or subprocess.run(["which", "tc"], capture_output=True).returncode != 0,
+    reason="needs root and iproute2",
+)
+
+SERVER = """
+import socket, sys
+s = socket.socket(); s.bind(("0.0.0.0", 5555)); s.listen(); c, _ = s.accept(); n = 0
+while True:
+    d = c.recv(65536)
+    if not d: break
+    n += len(d)
+print(n)
+"""
+
+
+def test_links_are_rate_limited_and_everything_is_deleted():
+    with NetLab(2, bandwidth_mbit=2.0) as lab:
+        server = lab.popen(1, [sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        send = (
+            f"import socket; s = socket.create_connection(('{lab.address(1)}', 5555)); "
+            "s.sendall(b'x' * 500_000); s.close()"
+        )
+        assert lab.popen(0, [sys.executable, "-c", send]).wait(timeout=30) == 0
+        out, _ = server.communicate(timeout=30)
+        mbit = 500_000 * 8 / 1e6 / (time.perf_counter() - t0)
+        assert int(out) == 500_000
+        assert 1.0 < mbit < 2.5  # shaped to 2 Mbit/s
+        assert len(lab.leftovers()) == 5
+    assert lab.leftovers() == []
+
+
+def test_cleanup_on_an_exception_and_on_ctrl_c():
+    with pytest.raises(RuntimeError), NetLab(2, bandwidth_mbit=1.0) as lab:
+        raise RuntimeError("boom")
+    assert lab.leftovers() == []
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import time, sys\n"
+                "from atomtrain.bench.netlab import NetLab\n"
+                "with NetLab(2, 1.0) as lab:\n"
+                "    print(lab.namespaces[0], flush=True)\n"
+                "    time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    ns = child.stdout.readline().strip()
+    assert ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    child.send_signal(2)  # Ctrl-C
+    child.wait(timeout=30)
+    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_bench_wan_without_root_says_so_in_one_line(tmp_path):
+    code = (
+        "import os; os.geteuid = lambda: 1000\n"
+        "import sys; from atomtrain.cli.main import main\n"
+        "sys.exit(main(['bench', 'wan', '--json']))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "atomtrain: error: the slow-network lab needs root (network namespaces and tc)"
+    )
