@@ -10,6 +10,7 @@ Everything created is deleted on exit, on an exception, and on Ctrl-C or SIGTERM
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -125,10 +126,8 @@ class NetLab:
         for ns in self.namespaces:
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
             _ip("netns", "del", ns, check=False)
         for outer, _ in self.veths:
             _ip("link", "del", outer, check=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def lr_at(step: int) -> float:
     return LR * min(1.0, (step + 1) / 10)
 
 
-def optimizer_step(opt: AdamW, params: dict[str, torch.Tensor], step: int) -> None:
+def optimizer_step(opt: AdamW, params: Mapping[str, torch.Tensor], step: int) -> None:
     grads = {n: p.grad for n, p in params.items() if p.grad is not None}
     opt.step(sorted(grads), lr_at(step), clip_scale(grad_norm(grads), 1.0))
     for p in params.values():
@@ -95,17 +96,18 @@ def ddp(
         _, loss = model(x, y)
         loss.backward()
         busy = time.perf_counter() - t0
+        grads = [params[n].grad for n in names]
         flat = torch.cat(
-            [params[n].grad.reshape(-1) for n in names]
+            [g.reshape(-1) for g in grads if g is not None]
             + [torch.tensor([1.0 if rank == 0 and log_time(log) >= budget else 0.0])]
         )
         dist.all_reduce(flat)  # every step, over the slow link; the last element says stop
         t1 = time.perf_counter()
         pos = 0
-        for n in names:
-            g = params[n].grad
-            g.copy_(flat[pos : pos + g.numel()].view_as(g) / world)
-            pos += g.numel()
+        for g in grads:
+            if g is not None:
+                g.copy_(flat[pos : pos + g.numel()].view_as(g) / world)
+                pos += g.numel()
         optimizer_step(opt, params, step)
         busy += time.perf_counter() - t1
         log.write(step=step, loss=float(loss), busy_s=busy)
@@ -142,6 +144,7 @@ class Stage(nn.Module):
         if self.first:
             return h
         logits = self.ln_f(h) @ self.head.T
+        assert y is not None
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
@@ -193,7 +196,9 @@ def pipeline(
                 t0 = time.perf_counter()
                 saved[m].backward(g)
                 busy += time.perf_counter() - t0
-        dist.all_reduce(tied(stage).grad)  # the embedding shared by both ends
+        tied_grad = tied(stage).grad
+        assert tied_grad is not None
+        dist.all_reduce(tied_grad)  # the embedding shared by both ends
         t0 = time.perf_counter()
         optimizer_step(opt, params, step)
         busy += time.perf_counter() - t0
