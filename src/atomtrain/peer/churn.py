@@ -35,6 +35,8 @@ class ChurnConfig:
     restart_killed: bool = True
     """Restart the killed peer from its last checkpoint."""
     averaging_timeout_s: float = 20.0
+    matchmaking_s: float = 1.5
+    """Peers on one machine find each other fast; the default (3 s) suits real networks."""
     overrides: tuple[str, ...] = (
         "--model.preset=small",
         "--data.seq_len=64",
@@ -85,6 +87,7 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
         *cfg.overrides,
         f"--train.steps={cfg.steps}",
         f"--peer.sync_every={cfg.sync_every}",
+        f"--peer.matchmaking_s={cfg.matchmaking_s}",
         f"--peer.averaging_timeout_s={cfg.averaging_timeout_s}",
     ]
     swarm = Swarm(name, out_dir, name, common, wait_for=n, expected=n + 1)
@@ -130,6 +133,11 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
         times = [r["elapsed_s"] for r in recs if "elapsed_s" in r]
         stalls.append(max((b - a for a, b in itertools.pairwise(times)), default=0.0))
     joiner_recs = read_metrics(joiner.run_dir / "metrics.jsonl")
+    since_join = [
+        r["first_contribution_since_join_s"]
+        for r in joiner_recs
+        if "first_contribution_since_join_s" in r
+    ]
     contributed = [r["first_contribution_s"] for r in joiner_recs if "first_contribution_s" in r]
     params = [x for x in (_final_params(p) for p in finishers) if x is not None]
     spread = 0.0
@@ -145,7 +153,8 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
         "joined": 1 + (1 if restarted else 0),
         "survivor_steps_lost": sum(cfg.steps - _last_step(p) for p in survivors),
         "max_survivor_stall_s": max(stalls),
-        "join_to_first_contribution_s": contributed[0] if contributed else None,
+        "join_to_first_contribution_s": since_join[0] if since_join else None,
+        "launch_to_first_contribution_s": contributed[0] if contributed else None,
         "final_loss": sum(finals) / len(finals),
         "param_spread": spread,
         "averaging_timeout_s": cfg.averaging_timeout_s,

@@ -37,6 +37,7 @@ logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 PUBLISH_EVERY_S = 1.0
+FIRST_ROUND_AFTER_STEPS = 3
 
 
 def _reap(process: Any) -> None:
@@ -121,6 +122,7 @@ class PeerRuntime:
 
     def start(self, resumed: dict[str, Any] | None) -> None:
         """Join the swarm: start the DHT and averager, then take the swarm's state if needed."""
+        self.joined_at = time.time()  # joining begins: the DHT starts
         self.watchdog = start_watchdog()
         lower_helper_priority()
         initial = [a.strip() for a in self.cfg.join.split(",") if a.strip()]
@@ -238,11 +240,18 @@ class PeerRuntime:
         elif (
             self.averager is not None
             and not self.averager.running
-            and self.steps_since_round >= self.cfg.sync_every
+            and self.steps_since_round >= self._next_round_after()
         ):
             self._start_round()
         record["round"] = self.round
         self._step = state.step
+
+    def _next_round_after(self) -> int:
+        """Local steps before the next round: a newcomer contributes after a few steps rather
+        than a whole period, so joining pays off sooner."""
+        if self.first_contribution_s is None:
+            return min(self.cfg.sync_every, FIRST_ROUND_AFTER_STEPS)
+        return self.cfg.sync_every
 
     def _start_round(self) -> None:
         assert self.averager is not None
@@ -301,6 +310,7 @@ class PeerRuntime:
         if result.group_size > 1 and self.first_contribution_s is None:
             self.first_contribution_s = self.last_sync - self.started_at
             record["first_contribution_s"] = self.first_contribution_s
+            record["first_contribution_since_join_s"] = self.last_sync - self.joined_at
         record["group_size"] = result.group_size
         log.debug("round %d applied with %d peers", self.round, result.group_size)
 
