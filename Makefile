@@ -16,6 +16,7 @@ run: $(STAMP)
 	$(BIN)/atomtrain swarm --peers 2 --name default --overwrite --device-memory 64MB
 
 test: $(STAMP)
+	@command -v tc >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get install -y -qq iproute2 >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null)) ; } || echo "iproute2 missing: the slow-network lab tests will skip"
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
