@@ -37,6 +37,7 @@ logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 PUBLISH_EVERY_S = 1.0
+LINGER_S = 10.0
 FIRST_ROUND_AFTER_STEPS = 3
 
 
@@ -91,6 +92,7 @@ class PeerRuntime:
         self.snapshot: torch.Tensor | None = None
         self._final = False
         self._finishing = False
+        self._done = False
         self.last_sync = 0.0
         self.first_contribution_s: float | None = None
         import psutil
@@ -348,6 +350,41 @@ class PeerRuntime:
         self._final = True
         self._start_round()
         self._poll(record, wait=True)
+        if record.get("group_size", 1) > 1:
+            self._linger(others)
+        else:  # left out of the others' last group: take its result from one of them
+            self._adopt_final_state(record)
+
+    def _linger(self, others: list[PeerStatus]) -> None:
+        """Stay a few seconds after the last round, serving its result to any peer that the
+        group left out, until every other live peer is done."""
+        assert self.dht is not None
+        self._done = True
+        # long enough for a left-out peer's own last round to time out and ask for the result
+        deadline = time.time() + self.cfg.averaging_timeout_s + LINGER_S
+        while time.time() < deadline:
+            now = time.time()
+            live = [
+                s
+                for s in read_statuses(self.dht, self.cfg.swarm)
+                if s.name != self.name and s.fresh(now)
+            ]
+            if all(s.done for s in live):
+                return
+            time.sleep(0.25)
+
+    def _adopt_final_state(self, record: dict[str, Any]) -> None:
+        assert self.averager is not None
+        state = self.averager.download_state(timeout_s=self.cfg.state_timeout_s)
+        if state is None:
+            log.warning("left out of the last round and no peer shared its result")
+            return
+        self._load(*state)
+        record["adopted_final_state"] = True
+        log.info(
+            "left out of the last round; took its result (parameters %s)", digest(self._flat())
+        )
+        self._done = True
 
     def _publish(self, step: int) -> None:
         now = time.time()
@@ -368,6 +405,7 @@ class PeerRuntime:
                 addrs=tuple(getattr(self, "addrs", ())[:2]),
                 updated=now,
                 finishing=self._finishing,
+                done=self._done,
             ),
         )
 

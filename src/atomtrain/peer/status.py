@@ -27,6 +27,8 @@ class PeerStatus:
     """Wall-clock time of this record: peers publish every second, so an old one is a gone peer."""
     finishing: bool = False
     """Done with local steps and waiting for the last round."""
+    done: bool = False
+    """Past the last round (and serving its result to any peer the group left out)."""
 
     def fresh(self, now: float, within_s: float = 5.0) -> bool:
         return now - self.updated <= within_s
@@ -48,6 +50,7 @@ class PeerStatus:
                 addrs=tuple(str(a) for a in value.get("addrs", ())[:8]),
                 updated=float(value.get("updated", 0.0)),
                 finishing=bool(value.get("finishing", False)),
+                done=bool(value.get("done", False)),
             )
         except (KeyError, TypeError, ValueError):
             return None
