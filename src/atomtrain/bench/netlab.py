@@ -85,36 +85,9 @@ class NetLab:
             _ip("-n", ns, "link", "set", inner, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             # egress of the host (its uploads) and of the bridge port (its downloads)
-            _tc(
-                "-n",
-                ns,
-                "qdisc",
-                "add",
-                "dev",
-                inner,
-                "root",
-                "tbf",
-                "rate",
-                rate,
-                "burst",
-                burst,
-                "limit",
-                limit,
-            )
-            _tc(
-                "qdisc",
-                "add",
-                "dev",
-                outer,
-                "root",
-                "tbf",
-                "rate",
-                rate,
-                "burst",
-                burst,
-                "limit",
-                limit,
-            )
+            shape = ["root", "tbf", "rate", rate, "burst", burst, "limit", limit]
+            _tc("-n", ns, "qdisc", "add", "dev", inner, *shape)
+            _tc("qdisc", "add", "dev", outer, *shape)
 
     def popen(self, i: int, argv: list[str], **kwargs: object) -> subprocess.Popen:
         """Start `argv` inside host i's namespace, in its own process group."""

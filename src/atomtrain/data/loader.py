@@ -91,6 +91,17 @@ def to_xy(windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
+def put_until_stopped(q: queue.Queue, item: object, stop: threading.Event) -> bool:
+    """Put `item` into a bounded queue, giving up when `stop` is set; True if it went in."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class TrainLoader:
     """Iterates training batches from `state['step']` on, prefetching in a daemon thread."""
 
@@ -122,12 +133,7 @@ class TrainLoader:
                 )
             except BaseException as e:  # handed to the consumer, which raises it
                 item = (step, e)
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            put_until_stopped(q, item, stop)
             step += 1
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from atomtrain.data.loader import put_until_stopped
 from atomtrain.data.tokenizer import ByteTokenizer, Tokenizer
 from atomtrain.errors import AtomError
 
@@ -126,13 +127,7 @@ class StreamingSource:
                     delay = t_next - time.perf_counter()
                     if delay > 0 and stop.wait(delay):
                         return
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put_until_stopped(q, item, stop):
                     return
         except BaseException as e:
             q.put((None, e))
