@@ -3,6 +3,7 @@ answers, unchanged training, and an HTTP API that refuses bad requests."""
 
 import copy
 import http.client
+import itertools
 import json
 import socket
 import subprocess
@@ -170,7 +171,7 @@ def test_completions_beside_training_equal_those_of_the_same_parameters_alone():
     stop = threading.Event()
 
     def loop() -> None:
-        for x, y in batches(50):
+        for x, y in itertools.cycle(batches(8)):  # trains until the requests are done
             if stop.is_set():
                 return
             with sched.train_step():
@@ -188,9 +189,16 @@ def test_completions_beside_training_equal_those_of_the_same_parameters_alone():
         "stream": False,
     }
     try:
+        versions = []
         for _ in range(3):
-            time.sleep(0.05)
+            seen = service.version
+            deadline = time.monotonic() + 60
+            # wait for a step newer than the last answer (a fixed sleep is not enough on a busy CI)
+            while service._staged is None or service._staged[0] <= seen:
+                assert time.monotonic() < deadline and t.is_alive(), "training staged nothing new"
+                time.sleep(0.005)
             got = service.complete(req)
+            versions.append(got["parameters_version"])
             with service._lock:  # the parameters it answered from
                 params = {n: p.detach().clone() for n, p in service.model.named_parameters()}
             alone = tiny_model().eval()
@@ -199,7 +207,7 @@ def test_completions_beside_training_equal_those_of_the_same_parameters_alone():
             ids = torch.tensor([ByteTokenizer().encode("import ")])
             want = ByteTokenizer().decode(generate(alone, ids, 12, temperature=0)[0, 7:].tolist())
             assert got["choices"][0]["text"] == want
-        assert service.version > 1  # it did pick up newer parameters between requests
+        assert versions[0] < versions[1] < versions[2]  # newer parameters between requests
     finally:
         stop.set()
         t.join()
