@@ -1,6 +1,7 @@
 """Streaming input and data echoing: adaptive, never back to back, lossless, resumable."""
 
 import itertools
+import math
 import time
 from pathlib import Path
 
@@ -38,7 +39,11 @@ def test_echo_factor_follows_upstream_and_step_times(corpus_dir: Path):
         slow.next_batch()
         time.sleep(step_s)
     slow.close()
-    assert 2.0 <= slow.echo_factor <= 4.5
+    # the echo factor follows the times it measured (a busy machine stretches both), nominally 3
+    assert slow.up_s is not None and slow.step_s is not None
+    ratio = min(8.0, slow.up_s / slow.step_s)
+    assert ratio > 1.5  # upstream was the bottleneck
+    assert ratio - 1.0 <= slow.echo_factor <= math.ceil(ratio) + 1.0
     fast = loader(corpus_dir, rate=0.0)  # upstream keeps up: nothing is reused
     for _ in range(30):
         fast.next_batch()
