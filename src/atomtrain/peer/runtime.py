@@ -50,20 +50,6 @@ def _reap(process: Any) -> None:
         process.join(timeout=2.0)
 
 
-_NICE_REGISTERED = False
-
-
-def lower_helper_priority() -> None:
-    """hivemind's helpers (DHT, averager, p2pd) are forked from this process: give them a lower
-    CPU priority, so averaging uses the time training leaves idle instead of stalling it."""
-    import os
-
-    global _NICE_REGISTERED
-    if not _NICE_REGISTERED:
-        os.register_at_fork(after_in_child=lambda: os.nice(10))
-        _NICE_REGISTERED = True
-
-
 def digest(flat: torch.Tensor) -> str:
     """Short fingerprint of a flat parameter vector, for logs that tests compare."""
     import hashlib
@@ -126,7 +112,6 @@ class PeerRuntime:
         """Join the swarm: start the DHT and averager, then take the swarm's state if needed."""
         self.joined_at = time.time()  # joining begins: the DHT starts
         self.watchdog = start_watchdog()
-        lower_helper_priority()
         initial = [a.strip() for a in self.cfg.join.split(",") if a.strip()]
         try:
             self.dht = DHT(
