@@ -135,6 +135,12 @@ class PeerSection:
     """Longest a finished peer waits for the others still training before that last round."""
     wait_for: int = 0
     """Before the first step, wait (up to a minute) until this many peers are in the swarm."""
+    swarm_key: str = ""
+    """File with the swarm key (`atomtrain keygen`); empty: $ATOM_SWARM_KEY, else an open swarm."""
+    defend: bool = True
+    """Check every contribution and downloaded state; aggregate robustly (peer/robust.py)."""
+    attack: str = ""
+    """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale)."""
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out-dir", default="runs/bench-churn", help="where the peers' runs go")
     c.set_defaults(func=run_churn)
 
+    a = bsub.add_parser(
+        "attack", help="a keyed swarm with a poisoning peer, with and without defences"
+    )
+    a.add_argument("--json", action="store_true", help="print only the JSON result")
+    a.add_argument("--steps", type=int, default=100)
+    a.add_argument("--sync-every", type=int, default=10)
+    a.add_argument(
+        "--attacks",
+        default="nan,scale,noise,stale",
+        help="comma-separated: nan, scale, noise, stale",
+    )
+    a.add_argument("--out-dir", default="runs/bench-attack", help="where the peers' runs go")
+    a.set_defaults(func=run_attack)
+
     r = bsub.add_parser("reuse", help="data echoing against waiting for a slow input pipeline")
     r.add_argument("--json", action="store_true", help="print only the JSON result")
     r.add_argument("--input-slowdown", type=float, default=4.0)
@@ -95,6 +109,23 @@ def run_churn(args: argparse.Namespace, _extra: list[str]) -> int:
     shutil.rmtree(out, ignore_errors=True)
     cfg = ChurnConfig(peers=args.peers, steps=args.steps, sync_every=args.sync_every)
     _emit(run_churn(cfg, out).result, args.json)
+    return 0
+
+
+def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
+    import shutil
+    from pathlib import Path
+
+    from atomtrain.bench.attack import AttackConfig, run_attack_bench
+    from atomtrain.peer.attack import check_attack
+
+    attacks = tuple(a.strip() for a in args.attacks.split(",") if a.strip())
+    for attack in attacks:
+        check_attack(attack)
+    out = Path(args.out_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = AttackConfig(steps=args.steps, sync_every=args.sync_every, attacks=attacks)
+    _emit(run_attack_bench(cfg, out), args.json)
     return 0
 
 

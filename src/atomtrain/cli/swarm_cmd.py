@@ -22,24 +22,52 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", metavar="SIZE", help="train each peer through the engine")
     p.add_argument("--config", help="TOML config for every peer")
     p.add_argument("--no-sample", action="store_true", help="skip the text sample at the end")
+    p.add_argument("--swarm-key", metavar="FILE", help="the swarm's key (atomtrain keygen)")
     p.set_defaults(func=run_swarm, accepts_overrides=True)
 
     s = sub.add_parser("status", help="print the progress table of any swarm")
     s.add_argument("--join", required=True, metavar="MULTIADDR", help="any live peer")
     s.add_argument("--swarm", default="local", help="swarm name")
     s.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+    s.add_argument("--swarm-key", metavar="FILE", help="the swarm's key, if it has one")
     s.set_defaults(func=run_status)
 
+    k = sub.add_parser(
+        "keygen",
+        help="make a swarm key: only peers holding it can join the swarm",
+        description="Write a new random swarm key to FILE (readable by you only). Give it to "
+        "every peer with --swarm-key FILE or in $ATOM_SWARM_KEY.",
+    )
+    k.add_argument("file", type=Path, metavar="FILE")
+    k.add_argument("--force", action="store_true", help="replace an existing key file")
+    k.set_defaults(func=run_keygen)
 
-def _client_dht(addr: str):
+
+def run_keygen(args: argparse.Namespace, _extra: list[str]) -> int:
+    from atomtrain.peer.auth import write_new_key
+
+    key = write_new_key(args.file, force=args.force)
+    print(f"wrote swarm key {key.fingerprint()} to {args.file}")
+    return 0
+
+
+def _client_dht(addr: str, key_file: str | None):
     from hivemind import DHT
 
     from atomtrain.errors import AtomError
+    from atomtrain.peer.auth import SwarmAuthorizer, load_swarm_key
 
+    key = load_swarm_key(key_file or "")
     try:
-        return DHT(initial_peers=[addr], client_mode=True, start=True)
+        return DHT(
+            initial_peers=[addr],
+            client_mode=True,
+            start=True,
+            authorizer=SwarmAuthorizer(key) if key else None,
+        )
     except Exception as e:
-        raise AtomError(f"cannot reach the swarm at {addr} ({type(e).__name__})") from None
+        hint = "" if key else "; if the swarm has a key, pass --swarm-key"
+        raise AtomError(f"cannot reach the swarm at {addr} ({type(e).__name__}{hint})") from None
 
 
 def _table(dht, swarm: str) -> str:
@@ -50,7 +78,7 @@ def _table(dht, swarm: str) -> str:
 
 
 def run_status(args: argparse.Namespace, _extra: list[str]) -> int:
-    dht = _client_dht(args.join)
+    dht = _client_dht(args.join, args.swarm_key)
     try:
         while True:
             print(_table(dht, args.swarm), flush=True)
@@ -82,6 +110,11 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
         extra.append(f"--config={args.config}")
     if args.device_memory:
         extra.append(f"--engine.device_memory={args.device_memory}")
+    if args.swarm_key:
+        from atomtrain.peer.auth import load_swarm_key
+
+        load_swarm_key(args.swarm_key)  # a bad key fails here, once, not in every peer
+        extra.append(f"--peer.swarm_key={Path(args.swarm_key).resolve()}")
     swarm = Swarm(args.name, out, args.name, extra, wait_for=args.peers, expected=args.peers)
     first = swarm.launch(0, args.peers, None)
     try:
@@ -89,7 +122,7 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"swarm {args.name!r}: peer 0 at {addr}", file=sys.stderr)
         for i in range(1, args.peers):
             swarm.launch(i, args.peers, addr)
-        _watch(swarm, addr)
+        _watch(swarm, addr, args.swarm_key)
     except KeyboardInterrupt:
         print("stopping the swarm (each peer writes a checkpoint)...", file=sys.stderr)
         swarm.stop()
@@ -100,8 +133,8 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
     return _summary(swarm, args)
 
 
-def _watch(swarm, addr: str) -> None:
-    dht = _client_dht(addr)
+def _watch(swarm, addr: str, key_file: str | None) -> None:
+    dht = _client_dht(addr, key_file)
     tty = sys.stdout.isatty()
     lines = 0
     try:

@@ -46,6 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a live peer to join (repeatable)",
     )
     p.add_argument(
+        "--swarm-key",
+        metavar="FILE",
+        help="the swarm's key (atomtrain keygen); default: $ATOM_SWARM_KEY, else an open swarm",
+    )
+    p.add_argument(
         "--serve",
         type=int,
         metavar="PORT",
@@ -67,6 +72,8 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
         overrides = [*overrides, f"--peer.swarm={args.swarm}"]
     if args.join:
         overrides = [*overrides, f"--peer.join={','.join(args.join)}"]
+    if args.swarm_key:
+        overrides = [*overrides, f"--peer.swarm_key={args.swarm_key}"]
     if args.device_memory:
         overrides = [*overrides, f"--engine.device_memory={args.device_memory}"]
     base = None

@@ -124,6 +124,25 @@ def prepare(src: str, out: Path, cfg: PrepareConfig, overwrite: bool = False) ->
     return manifest
 
 
+def _check_entries(splits: object) -> None:
+    """The manifest's shard lists: names inside the directory, counts, checksums."""
+    if not isinstance(splits, dict):
+        raise TypeError("splits must be an object")
+    for entries in splits.values():
+        if not isinstance(entries, list):
+            raise TypeError("a split must be a list of shards")
+        for e in entries:
+            if not (
+                isinstance(e, dict)
+                and isinstance(e.get("file"), str)
+                and Path(e["file"]).name == e["file"]
+                and isinstance(e.get("tokens"), int)
+                and e["tokens"] >= 0
+                and isinstance(e.get("sha256"), str)
+            ):
+                raise ValueError("a shard entry is malformed")
+
+
 class TokenShards:
     """A prepared directory, opened read-only as memmaps after checking it against its manifest."""
 
@@ -143,7 +162,8 @@ class TokenShards:
             dtype = np.dtype(manifest["dtype"])
             split_entries = manifest["splits"]
             tokenizer_from_spec(manifest["tokenizer"])
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
+            _check_entries(split_entries)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise AtomError(f"{path} is not a valid shard manifest ({type(e).__name__})") from e
         if manifest.get("format_version") != FORMAT_VERSION:
             raise AtomError(

@@ -15,14 +15,26 @@ the whole round is discarded rather than applied half-averaged.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import queue
 import random
 from dataclasses import dataclass
-from typing import Any
+
+# hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
+from typing import Any, AsyncIterator  # noqa: UP035
 
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import Float16Compression, NoCompression, PerTensorCompression
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.timed_storage import get_dht_time
+
+from atomtrain.peer.auth import MemberGate
+from atomtrain.peer.robust import DELTA, PROBE, THETA, Defence, RobustRunner, capped_weights
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +74,8 @@ class ProbedAverager:
         timeout_s: float,
         target_group_size: int,
         state_provider: Any,
+        gate: MemberGate | None = None,
+        defence: Defence | None = None,
     ) -> None:
         self.numel = numel
         self.timeout_s = timeout_s
@@ -77,8 +91,17 @@ class ProbedAverager:
                 tensors.append(torch.zeros(1))  # probe
                 codecs.append(NoCompression())
         self._state_provider = state_provider
-        averager_cls = _averager_class(state_provider)
-        self.averager = averager_cls(
+        self.defence = defence
+        half = len(tensors) // 2
+        self.kinds = [PROBE if i % 2 else DELTA if i < half else THETA for i in range(len(tensors))]
+        self._events: Any = mp.get_context("fork").Queue()
+        self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
+        self.averager = GuardedAverager(
+            state_provider,
+            gate or MemberGate(None, prefix),
+            defence,
+            self.kinds,
+            self._events,
             tensors,
             dht,
             prefix=prefix,
@@ -131,7 +154,8 @@ class ProbedAverager:
         self._probe = random.uniform(1.0, 2.0)
         with self.averager.get_tensors() as tensors:
             self._write(tensors, delta, theta_sync, self._probe)
-        gather = {**info, "probe": self._probe, "weight": weight}
+        rms = float(delta.double().pow(2).mean().sqrt()) if delta.numel() else 0.0
+        gather = {**info, "probe": self._probe, "weight": weight, "rms": rms}
         self._control = self.averager.step(
             wait=False, weight=max(weight, 1e-6), timeout=self.timeout_s, gather=gather
         )
@@ -150,7 +174,8 @@ class ProbedAverager:
 
     def result(self) -> RoundResult:
         """The finished round's averages; RoundFailed when there was no group, the round broke,
-        or a probe shows part of the vectors was never averaged."""
+        a reducer sent back bad averages, or a probe shows part of the vectors was never
+        averaged."""
         control, self._control = self._control, None
         try:
             gathered = control.result(timeout=0)
@@ -159,19 +184,45 @@ class ProbedAverager:
         if not gathered:
             raise RoundFailed("no group formed")
         peers = [g for g in gathered.values() if isinstance(g, dict)]
-        total = sum(float(g.get("weight", 0)) for g in peers)
-        if len(peers) != len(gathered) or total <= 0:
+        for peer_id, g in gathered.items():
+            if isinstance(g, dict):
+                self.names[peer_id.to_base58()] = str(g.get("name", ""))[:64]
+        try:
+            weights = [float(g["weight"]) for g in peers]
+            probes = [float(g["probe"]) for g in peers]
+        except (KeyError, TypeError, ValueError):
+            raise RoundFailed("a group member sent malformed round metadata") from None
+        if len(peers) != len(gathered):
             raise RoundFailed("a group member sent malformed round metadata")
-        expected = sum(float(g["weight"]) * float(g["probe"]) for g in peers) / total
+        if self.defence is not None:
+            weights = capped_weights(weights, self.defence.weight_cap)
+        total = sum(weights)
+        if not (total > 0 and all(map(_finite, probes))):
+            raise RoundFailed("a group member sent malformed round metadata")
+        expected = sum(w * p for w, p in zip(weights, probes, strict=True)) / total
         with self.averager.get_tensors() as tensors:
-            delta, theta_sync, probes = self._read(tensors)
-        bad = [i for i, p in enumerate(probes) if abs(p - expected) > 1e-5 * abs(expected)]
+            delta, theta_sync, seen = self._read(tensors)
+        bad = [i for i, p in enumerate(seen) if not abs(p - expected) <= 1e-5 * abs(expected)]
         if bad:
             raise RoundFailed(
-                f"partial round: {len(bad)} of {len(probes)} probes unaveraged "
-                f"(a group member left mid-round); discarded"
+                f"partial round: {len(bad)} of {len(seen)} probes unaveraged "
+                f"(a group member left mid-round or sent bad averages); discarded"
             )
+        finite = bool(torch.isfinite(delta).all()) and bool(torch.isfinite(theta_sync).all())
+        if self.defence is not None and not finite:
+            raise RoundFailed("the averages hold non-finite values; discarded")
         return RoundResult(delta, theta_sync, len(peers), peers)
+
+    def rejections(self) -> list[tuple[str, str]]:
+        """(peer, why) for each member the averager rejected since the last call, by name when a
+        round told us its name."""
+        out: list[tuple[str, str]] = []
+        while True:
+            try:
+                peer_id, why = self._events.get_nowait()
+            except queue.Empty:
+                return out
+            out.append((self.names.get(peer_id) or peer_id, why))
 
     def download_state(self, timeout_s: float) -> tuple[dict, list[torch.Tensor]] | None:
         out = self.averager.load_state_from_peers(timeout=timeout_s)
@@ -185,12 +236,127 @@ class ProbedAverager:
         self.averager.shutdown()
 
 
-def _averager_class(provider: Any) -> type[DecentralizedAverager]:
-    class StateSharingAverager(DecentralizedAverager):
-        """Serves the peer's state (metadata, tensors) to joiners."""
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
 
-        def get_current_state(self):
-            metadata, tensors = provider()
-            return metadata, tensors, None
 
-    return StateSharingAverager
+class GuardedAverager(DecentralizedAverager):
+    """hivemind's averager behind the swarm's gates, with robust aggregation when defended.
+
+    Runs in its own process. Serves the peer's state (metadata, tensors) to joiners that pass the
+    gate; refuses group requests, tensor parts and state downloads from callers that do not; never
+    asks a leader that does not; and reports each member it rejects through `events`.
+    """
+
+    def __init__(
+        self,
+        provider: Any,
+        gate: MemberGate,
+        defence: Defence | None,
+        kinds: list[str],
+        events: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        self._provider, self._gate, self._defence = provider, gate, defence
+        self._kinds, self._events = kinds, events
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):
+        metadata, tensors = self._provider()
+        return metadata, tensors, None
+
+    def _reject(self, peer_id: PeerID, why: str) -> None:
+        if peer_id not in self._gate.banned:
+            self._gate.ban(peer_id)
+            self._events.put((peer_id.to_base58(), why))
+
+    # --- gates ------------------------------------------------------------------------------
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not await self._gate.allows(self.dht, context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not await self._gate.allows(self.dht, context.remote_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._gate.allows(self.dht, context.remote_id):
+            return  # the caller sees no state and moves on
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def _step(self, *, step, future_for_init):
+        self._guard_leaders()
+        return await super()._step(step=step, future_for_init=future_for_init)
+
+    def _guard_leaders(self) -> None:
+        """hivemind picks leaders from the DHT with no hook to refuse one: wrap the request so a
+        banned or unproven leader is skipped like one that said no."""
+        matchmaking = getattr(self, "_matchmaking", None)
+        if matchmaking is None or getattr(matchmaking, "_atom_guarded", False):
+            return
+        ask = matchmaking._request_join_group
+
+        async def guarded(leader: PeerID):
+            if not await self._gate.allows(self.dht, leader):
+                return None
+            return await ask(leader)
+
+        matchmaking._request_join_group = guarded
+        matchmaking._atom_guarded = True
+
+    # --- robust all-reduce ------------------------------------------------------------------
+
+    async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        if any(p in self._gate.banned for p in group_info.peer_ids):
+            raise AllreduceException("the group holds a banned peer")
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        if self._defence is None:
+            return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        group_id = group_info.group_id if group_id is None else group_id
+        weights, reported = [], []
+        for blob in group_info.gathered:
+            try:
+                user = self.serializer.loads(self.serializer.loads(blob)[2])
+                weights.append(float(user["weight"]))
+                reported.append(float(user.get("rms", float("nan"))))
+            except Exception:  # malformed metadata: the probe check discards the round
+                weights.append(float("nan"))
+                reported.append(float("nan"))
+        capped = capped_weights(weights, self._defence.weight_cap)
+        runner = RobustRunner(
+            kinds=self._kinds,
+            weights=dict(zip(group_info.peer_ids, capped, strict=True)),
+            reported_rms=reported,
+            banned=set(self._gate.banned),
+            defence=self._defence,
+            on_reject=self._reject,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+        self.last_updated = get_dht_time()
+        self._state_updated.set()

@@ -23,9 +23,12 @@ from hivemind import DHT
 
 from atomtrain.config import PeerSection
 from atomtrain.errors import AtomError
+from atomtrain.peer.attack import check_attack, poison
+from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, declare_member, load_swarm_key
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed, RoundResult
 from atomtrain.peer.hygiene import start_watchdog
 from atomtrain.peer.outer import OuterNesterov
+from atomtrain.peer.robust import Defence
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.train.runner import StepRunner
 from atomtrain.train.trainer import TrainState
@@ -39,6 +42,10 @@ logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 PUBLISH_EVERY_S = 1.0
 LINGER_S = 10.0
 FIRST_ROUND_AFTER_STEPS = 3
+MIN_SCALE_STEPS = 1.0
+"""A typical update moves an element (RMS) at least as far as this many AdamW steps at the peak
+learning rate (each moves an element by up to about lr), so a peer whose own update is tiny still
+tells honest updates from absurd ones."""
 
 
 def _reap(process: Any) -> None:
@@ -59,9 +66,16 @@ def digest(flat: torch.Tensor) -> str:
 
 class PeerRuntime:
     def __init__(
-        self, cfg: PeerSection, runner: StepRunner, name: str, total_steps: int, run_dir: Path
+        self,
+        cfg: PeerSection,
+        runner: StepRunner,
+        name: str,
+        total_steps: int,
+        run_dir: Path,
+        lr: float = 1e-3,
     ) -> None:
         self.cfg = cfg
+        self.lr = lr
         self.runner = runner
         self.name = name
         self.total_steps = total_steps
@@ -70,6 +84,10 @@ class PeerRuntime:
         self.names = sorted(params)
         self.numel = sum(params[n].numel() for n in self.names)
         self.theta_sync = self._flat()
+        check_attack(cfg.attack)
+        self._initial = self.theta_sync.clone() if cfg.attack == "stale" else None
+        self.key = load_swarm_key(cfg.swarm_key)
+        self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
         self.round = 0
         self.failed_rounds = 0
@@ -113,14 +131,27 @@ class PeerRuntime:
         self.joined_at = time.time()  # joining begins: the DHT starts
         self.watchdog = start_watchdog()
         initial = [a.strip() for a in self.cfg.join.split(",") if a.strip()]
+        if self.key is None:
+            log.warning(
+                "swarm %s is open: any peer that reaches this one can join it "
+                "(make a key with `atomtrain keygen` and pass --swarm-key)",
+                self.cfg.swarm,
+            )
+        else:
+            log.info("swarm key %s: only peers holding it take part", self.key.fingerprint())
         try:
             self.dht = DHT(
                 initial_peers=initial,
                 host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
                 start=True,
+                authorizer=SwarmAuthorizer(self.key) if self.key else None,
             )
         except Exception as e:
-            raise AtomError(f"cannot start or join the swarm ({type(e).__name__}: {e})") from None
+            refused = " (no peer accepted this one: is it the swarm's key?)" if initial else ""
+            raise AtomError(
+                f"cannot start or join the swarm{refused} ({type(e).__name__}: {e})"
+            ) from None
+        declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id)
         self.averager = ProbedAverager(
             self.dht,
             f"{self.cfg.swarm}_avg",
@@ -130,6 +161,8 @@ class PeerRuntime:
             self.cfg.averaging_timeout_s,
             self.cfg.target_group_size,
             self._shared_state,
+            MemberGate(self.key, self.cfg.swarm),
+            Defence(min_scale=self.lr * MIN_SCALE_STEPS) if self.cfg.defend else None,
         )
         if resumed is not None:
             self._load(resumed["meta"], resumed["tensors"])
@@ -150,6 +183,8 @@ class PeerRuntime:
         while not self._stop_publishing.wait(PUBLISH_EVERY_S):
             try:
                 self._publish(self._step)
+                if self.dht is not None:
+                    declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id)
             except Exception as e:  # the DHT going away at shutdown
                 log.debug("status not published: %s", e)
 
@@ -176,12 +211,14 @@ class PeerRuntime:
     def _catch_up(self) -> None:
         """Download the swarm's state when this peer is new or behind."""
         assert self.dht is not None and self.averager is not None
-        swarm_round = max((s.round for s in read_statuses(self.dht, self.cfg.swarm)), default=0)
+        swarm_round = self._swarm_round()
         if self.round > 0 and self.round >= swarm_round:
             return
         for _ in range(6):  # a fresh swarm may not have declared its state yet
             state = self.averager.download_state(timeout_s=self.cfg.state_timeout_s)
-            if state is not None:
+            problem = "no peer shared it" if state is None else self._state_problem(*state)
+            if problem is None:
+                assert state is not None
                 self._load(*state)
                 log.info(
                     "joined at round %d with the swarm's parameters (parameters %s)",
@@ -189,8 +226,31 @@ class PeerRuntime:
                     digest(self._flat()),
                 )
                 return
+            if state is not None:
+                log.warning("refused a downloaded state: %s", problem)
             time.sleep(1.0)
-        log.warning("no peer shared its state; starting from this peer's own parameters")
+        log.warning("no peer shared a valid state; starting from this peer's own parameters")
+
+    def _swarm_round(self) -> int:
+        """The round most live peers are at (the median: one peer cannot claim a false one)."""
+        assert self.dht is not None
+        rounds = sorted(s.round for s in read_statuses(self.dht, self.cfg.swarm))
+        return rounds[(len(rounds) - 1) // 2] if rounds else 0
+
+    def _state_problem(self, meta: Any, tensors: list[torch.Tensor]) -> str | None:
+        """Why a downloaded state must not be used, or None when it passes every check."""
+        if not isinstance(meta, dict) or not isinstance(meta.get("round"), int):
+            return "malformed metadata"
+        if len(tensors) != 2:
+            return f"{len(tensors)} tensors instead of 2"
+        for t in tensors:
+            if t.dtype != torch.float32 or t.shape != (self.numel,):
+                return f"a tensor of {t.dtype} {tuple(t.shape)}, expected float32 ({self.numel},)"
+            if not bool(torch.isfinite(t).all()):
+                return "non-finite values"
+        if self.cfg.defend and meta["round"] < self._swarm_round() - 1:
+            return f"the serving peer is behind (round {meta['round']})"
+        return None
 
     def _shared_state(self) -> tuple[dict, list[torch.Tensor]]:
         """What a joiner downloads: the synchronized parameters, outer momentum and round."""
@@ -244,9 +304,11 @@ class PeerRuntime:
         assert self.averager is not None
         theta = self._flat()
         self.snapshot = theta
+        delta = self.theta_sync - theta
+        delta, sync = poison(self.cfg.attack, delta, self.theta_sync, self._initial)
         self.averager.start(
-            self.theta_sync - theta,
-            self.theta_sync,
+            delta,
+            sync,
             float(self.round_tokens),
             {"name": self.name, "round": self.round, "tokens": self.round_tokens},
         )
@@ -258,6 +320,28 @@ class PeerRuntime:
         av = self.averager
         if av is None or not av.running:
             return
+        try:
+            self._poll_round(av, record, wait)
+        finally:
+            self._note_rejections(record)
+
+    def _note_rejections(self, record: dict[str, Any]) -> None:
+        if self.averager is None:
+            return
+        events = self.averager.rejections()
+        if events and self.dht is not None:
+            names = {s.peer_id: s.name for s in read_statuses(self.dht, self.cfg.swarm)}
+            events = [(names.get(peer, peer), why) for peer, why in events]
+        for peer, why in events:
+            if peer not in self.rejected:
+                self.rejected[peer] = why
+                log.warning(
+                    "rejected the contributions of %s (%s); ignoring it from now", peer, why
+                )
+        if self.rejected:
+            record["rejected_peers"] = sorted(self.rejected)
+
+    def _poll_round(self, av: ProbedAverager, record: dict[str, Any], wait: bool) -> None:
         deadline = self._round_started + self.cfg.averaging_timeout_s + 5.0
         while wait and not av.done() and time.time() < deadline:
             time.sleep(0.05)
@@ -294,6 +378,8 @@ class PeerRuntime:
         self.snapshot = None
         self.round += 1
         self.last_sync = time.time()
+        if self.averager is not None:  # joiners ask the most advanced peer first
+            self.averager.averager.state_sharing_priority = float(self.round)
         if result.group_size > 1 and self.first_contribution_s is None:
             self.first_contribution_s = self.last_sync - self.started_at
             record["first_contribution_s"] = self.first_contribution_s
@@ -305,15 +391,11 @@ class PeerRuntime:
         """Finish the running round; wait (bounded) until every live peer is finishing too, then
         all average their parameters in one last round and end up with the same ones."""
         av = self.averager
-        if av is not None and av.running:  # a round others may not join any more: short grace
-            grace = time.time() + self.cfg.matchmaking_s + 2.0
-            while not av.done() and time.time() < grace:
-                time.sleep(0.05)
-            if not av.done():
-                av.cancel()
-                self._apply_solo("round still open at the end", record)
-            else:
-                self._poll(record, wait=False)
+        if av is not None and av.running:
+            # Let the open round end on its own (bounded by its timeout). Cancelling it is not
+            # enough: an all-reduce already under way goes on in hivemind's process, and the
+            # others would average this peer's round while it applied only its own update.
+            self._poll(record, wait=True)
         if self.averager is None or self.dht is None:
             return
         self._finishing = True
@@ -361,8 +443,9 @@ class PeerRuntime:
     def _adopt_final_state(self, record: dict[str, Any]) -> None:
         assert self.averager is not None
         state = self.averager.download_state(timeout_s=self.cfg.state_timeout_s)
-        if state is None:
-            log.warning("left out of the last round and no peer shared its result")
+        problem = "no peer shared it" if state is None else self._state_problem(*state)
+        if problem is not None or state is None:
+            log.warning("left out of the last round and took no result: %s", problem)
             return
         self._load(*state)
         record["adopted_final_state"] = True
@@ -391,6 +474,8 @@ class PeerRuntime:
                 updated=now,
                 finishing=self._finishing,
                 done=self._done,
+                rejected=tuple(sorted(self.rejected))[:16],
+                peer_id=self.dht.peer_id.to_base58(),
             ),
         )
 

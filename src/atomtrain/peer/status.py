@@ -29,6 +29,10 @@ class PeerStatus:
     """Done with local steps and waiting for the last round."""
     done: bool = False
     """Past the last round (and serving its result to any peer the group left out)."""
+    rejected: tuple[str, ...] = ()
+    """Peers whose contributions this one rejected (and now ignores)."""
+    peer_id: str = ""
+    """libp2p peer ID (what the averager sees), to name peers in rejections."""
 
     def fresh(self, now: float, within_s: float = 5.0) -> bool:
         return now - self.updated <= within_s
@@ -47,13 +51,21 @@ class PeerStatus:
                 tokens_per_s=float(value["tokens_per_s"]),
                 last_sync=float(value["last_sync"]),
                 failed_rounds=int(value.get("failed_rounds", 0)),
-                addrs=tuple(str(a) for a in value.get("addrs", ())[:8]),
+                addrs=_strings(value.get("addrs", ()), 8),
                 updated=float(value.get("updated", 0.0)),
                 finishing=bool(value.get("finishing", False)),
                 done=bool(value.get("done", False)),
+                rejected=_strings(value.get("rejected", ()), 16),
+                peer_id=str(value.get("peer_id", ""))[:128],
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
+
+
+def _strings(value: Any, most: int) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError("expected a list of strings")
+    return tuple(str(v)[:256] for v in value[:most])
 
 
 def status_key(swarm: str) -> str:
@@ -63,6 +75,7 @@ def status_key(swarm: str) -> str:
 def publish(dht: DHT, swarm: str, peer_id: str, status: PeerStatus) -> None:
     record = asdict(status)
     record["addrs"] = list(status.addrs)
+    record["rejected"] = list(status.rejected)
     dht.store(
         status_key(swarm),
         subkey=peer_id,
@@ -86,6 +99,10 @@ def read_statuses(dht: DHT, swarm: str) -> list[PeerStatus]:
 
 def status_rows(statuses: list[PeerStatus]) -> list[list[str]]:
     now = time.time()
+
+    def rejected_by(name: str) -> str:
+        return ",".join(o.name for o in statuses if name in o.rejected) or "-"
+
     return [
         [
             s.name,
@@ -95,9 +112,19 @@ def status_rows(statuses: list[PeerStatus]) -> list[list[str]]:
             f"{s.tokens_per_s:.0f}",
             f"{now - s.last_sync:.1f}s" if s.last_sync else "never",
             str(s.failed_rounds),
+            rejected_by(s.name),
         ]
         for s in statuses
     ]
 
 
-STATUS_HEADERS = ["peer", "round", "step", "loss", "tokens/s", "since sync", "failed"]
+STATUS_HEADERS = [
+    "peer",
+    "round",
+    "step",
+    "loss",
+    "tokens/s",
+    "since sync",
+    "failed",
+    "rejected by",
+]

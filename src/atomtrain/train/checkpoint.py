@@ -91,8 +91,10 @@ def verify_checkpoint(path: Path) -> None:
         raise AtomError(f"checkpoint {path} does not exist")
     try:
         manifest = json.loads((path / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise AtomError(f"checkpoint {path} has no readable manifest.json") from e
+    if not isinstance(manifest, dict):
+        raise AtomError(f"checkpoint {path} has a malformed manifest.json")
     required = [*FILES, *([EXTRA] if EXTRA in manifest else [])]
     for f in required:
         entry = manifest.get(f)

@@ -247,7 +247,9 @@ def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
 
     cfg = session.cfg
     name = cfg.run.name or f"peer{cfg.peer.index}"
-    peer = PeerRuntime(cfg.peer, session.trainer.runner, name, cfg.train.steps, session.run_dir)
+    peer = PeerRuntime(
+        cfg.peer, session.trainer.runner, name, cfg.train.steps, session.run_dir, cfg.train.lr
+    )
     session.trainer.after_step = peer.after_step
     session.trainer.extra_state = peer.extra_state
     session.peer = peer

@@ -1,0 +1,257 @@
+"""Robust aggregation inside hivemind's all-reduce: one peer cannot move the model arbitrarily.
+
+In a butterfly all-reduce every member reduces one span of the vectors: it receives every member's
+part of that span and sends back their average. Here the reducer first checks each part:
+
+- a part with non-finite values is dropped;
+- a part is compared with the reducer's *own* part (it trusts only itself): its distance is bounded
+  by `clip` times the size of a typical update, where a typical update is the reducer's own
+  pseudo-gradient (its RMS over the whole vector, scaled to the part's length). A part beyond the
+  bound is pulled back onto it (centered clipping); one beyond `reject` times the bound is dropped;
+- weights (tokens) are capped at `weight_cap` times the group's lower median weight.
+
+A member whose part is dropped is *rejected*: named to the peer (and so in its log and status), and
+banned: the gates refuse it from then on and its data in any later group is dropped. Probe elements
+(see averaging.py) are averaged as they are, with the same capped weights, so every member can still
+tell a fully averaged round from a partial one.
+
+A reducer can lie too: every member checks the averaged parts it receives (finite, and within
+`reject` times its own bound of its own values). A reducer that fails the check is rejected and
+banned like a sender, and the round it spoiled is discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.p2p import PeerID
+
+log = logging.getLogger(__name__)
+
+DELTA, THETA, PROBE = "delta", "theta", "probe"
+MIN_WEIGHT = 1e-6
+
+
+@dataclass(frozen=True)
+class Defence:
+    """Bounds of the robust aggregation."""
+
+    clip: float = 2.0
+    """Pseudo-gradient parts farther than this many typical updates from ours are clipped."""
+    reject: float = 20.0
+    """...and beyond this many, dropped, and their sender banned."""
+    theta_clip: float = 30.0
+    """The same for the synchronized parameters, which honest peers hold equal up to the few
+    outer steps a missed round leaves between them."""
+    theta_reject: float = 200.0
+    min_scale: float = 0.0
+    """Smallest typical update (RMS), so a peer whose own update is near zero (its last round
+    right after a sync) does not take honest peers' updates for outliers."""
+    weight_cap: float = 4.0
+    """Largest weight, as a multiple of the group's lower median weight."""
+
+
+def capped_weights(weights: Sequence[float], cap: float) -> list[float]:
+    """The weights the round uses: invalid ones become tiny, large ones are capped. Every member
+    computes the same list from the same gathered metadata."""
+    clean = [w if math.isfinite(w) and w > 0 else MIN_WEIGHT for w in weights]
+    if not clean:
+        return []
+    median = sorted(clean)[(len(clean) - 1) // 2]
+    return [max(MIN_WEIGHT, min(w, cap * median)) for w in clean]
+
+
+def lower_median(values: Sequence[float]) -> float:
+    ok = sorted(v for v in values if math.isfinite(v) and v >= 0)
+    return ok[(len(ok) - 1) // 2] if ok else 0.0
+
+
+def update_rms(tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> float:
+    """RMS of the pseudo-gradient."""
+    total, count = 0.0, 0
+    for t, kind in zip(tensors, kinds, strict=True):
+        if kind == DELTA:
+            total += float(t.double().pow(2).sum())
+            count += t.numel()
+    return math.sqrt(total / count) if count else 0.0
+
+
+def limits(defence: Defence, kind: str) -> tuple[float, float]:
+    """(clip, reject) factors for a kind of part."""
+    if kind == THETA:
+        return defence.theta_clip, defence.theta_reject
+    return defence.clip, defence.reject
+
+
+def bound(scale: float, numel: int, factor: float) -> float:
+    return factor * scale * math.sqrt(max(numel, 1)) + 1e-12
+
+
+class RobustReducer(TensorPartReducer):
+    """Keeps every sender's part until all arrived, then combines them robustly."""
+
+    def __init__(
+        self,
+        part_shapes: Sequence[torch.Size],
+        part_kinds: Sequence[str],
+        weights: Sequence[float],
+        own_sender: int,
+        scale: float,
+        defence: Defence,
+        banned: Sequence[bool],
+        on_reject: Callable[[int, str], None],
+    ) -> None:
+        self.part_kinds = list(part_kinds)
+        self.weights = list(weights)
+        self.own_sender = own_sender
+        self.scale = scale
+        self.defence = defence
+        self.dropped = list(banned)
+        self.on_reject = on_reject
+        self.parts: dict[int, torch.Tensor] = {}
+        super().__init__(part_shapes, len(weights))
+
+    def reset_accumulators(self) -> None:
+        self.parts = {}
+        super().reset_accumulators()
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        if not (0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts):
+            raise AllreduceException("invalid sender or part index")
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait(
+                {self.current_part_future, asyncio.create_task(self.finished.wait())},
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if self.finished.is_set():
+                raise AllreduceException("part arrived after the reducer finished")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        if part_index != self.current_part_index:
+            raise AllreduceException("part arrived out of order")
+        future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self.parts[sender_index] = tensor_part.detach().float().clone()
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self) -> None:
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._combine())
+            self.reset_accumulators()
+
+    def _combine(self) -> torch.Tensor:
+        shape = self.part_shapes[self.current_part_index]
+        kind = self.part_kinds[self.current_part_index]
+        if kind == PROBE:
+            return self._mean(self.parts.items(), shape)
+        own = self.parts.get(self.own_sender)
+        kept: list[tuple[int, torch.Tensor]] = []
+        for i, x in self.parts.items():
+            if i == self.own_sender or own is None:
+                kept.append((i, x))
+                continue
+            if self.dropped[i]:
+                continue
+            if not bool(torch.isfinite(x).all()):
+                self._reject(i, "non-finite values")
+                continue
+            r = x - own
+            norm = float(r.norm())
+            clip, reject = limits(self.defence, kind)
+            if norm > bound(self.scale, x.numel(), reject):
+                self._reject(i, f"{kind} {norm / bound(self.scale, x.numel(), 1):.3g}x typical")
+                continue
+            tau = bound(self.scale, x.numel(), clip)
+            kept.append((i, own + r * (tau / norm) if norm > tau else x))
+        if kind == THETA and len(kept) >= 3:  # honest peers agree on it: one outlier cannot move it
+            return torch.stack([x for _, x in kept]).median(dim=0).values
+        return self._mean(kept, shape)
+
+    def _mean(self, items, shape: torch.Size) -> torch.Tensor:
+        out = torch.zeros(shape)
+        total = 0.0
+        for i, x in items:
+            out.add_(x, alpha=self.weights[i])
+            total += self.weights[i]
+        return out.div_(total) if total > 0 else out
+
+    def _reject(self, sender: int, why: str) -> None:
+        self.dropped[sender] = True
+        self.on_reject(sender, why)
+
+
+class RobustRunner(AllReduceRunner):
+    """hivemind's all-reduce with the robust reducer and a check of what other reducers return."""
+
+    def __init__(
+        self,
+        *,
+        kinds: Sequence[str],
+        weights: dict[PeerID, float],
+        reported_rms: Sequence[float],
+        banned: set[PeerID],
+        defence: Defence,
+        on_reject: Callable[[PeerID, str], None],
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        tensors = self.tensor_part_container.local_tensors
+        # a typical update: ours, or the group's lower median when larger (one peer cannot
+        # inflate it; a newcomer's small first update does not shrink it)
+        own_rms = update_rms(tensors, kinds)
+        self.scale = max(own_rms, lower_median(reported_rms), defence.min_scale)
+        self.defence = defence
+        self._on_reject = on_reject
+        own_index = self.ordered_peer_ids.index(self.peer_id)
+        own_parts = self.tensor_part_container._input_parts_by_peer[own_index]
+        part_kinds = [kinds[info.key] for _, info in own_parts]
+        senders = self.sender_peer_ids
+        self.tensor_part_reducer = RobustReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            part_kinds,
+            [weights.get(p, MIN_WEIGHT) for p in senders],
+            senders.index(self.peer_id),
+            self.scale,
+            defence,
+            [p in banned for p in senders],
+            lambda i, why: on_reject(senders[i], why),
+        )
+        self._kinds_by_peer = [
+            [kinds[info.key] for _, info in parts]
+            for parts in self.tensor_part_container._input_parts_by_peer
+        ]
+        register = self.tensor_part_container.register_processed_part
+
+        def checked(peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+            if peer_index != own_index:
+                self._check_reduced(peer_index, part_index, delta)
+            register(peer_index, part_index, delta)
+
+        self.tensor_part_container.register_processed_part = checked
+
+    def _check_reduced(self, peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+        """`delta` is the reducer's average minus our own part."""
+        kind = self._kinds_by_peer[peer_index][part_index]
+        norm = float(delta.norm())
+        typical = bound(self.scale, delta.numel(), 1.0)
+        if not bool(torch.isfinite(delta).all()):
+            why = "non-finite averages"
+        elif kind != PROBE and norm > typical * limits(self.defence, kind)[1]:
+            why = f"{kind} averages {norm / typical:.3g}x typical"
+        else:
+            return
+        culprit = self.ordered_peer_ids[peer_index]
+        self._on_reject(culprit, f"reducer returned {why}")
+        raise AllreduceException(f"{culprit} returned {why}")

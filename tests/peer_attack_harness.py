@@ -1,0 +1,109 @@
+"""One peer of the poisoned-round test, run as its own process:
+
+    python peer_attack_harness.py INDEX ATTACK DEFEND WORKDIR
+
+Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start each of two rounds
+together (file barriers) and save what each round gave them to WORKDIR/out{INDEX}.pt.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hivemind import DHT
+
+from atomtrain.peer.attack import poison
+from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
+from atomtrain.peer.averaging import ProbedAverager, RoundFailed
+from atomtrain.peer.robust import Defence
+
+NUMEL = 5000
+PEERS = 3
+KEY = SwarmKey(bytes(range(32)))
+
+
+def vectors(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(index)
+    theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(99))  # synchronized
+    return torch.randn(NUMEL, generator=g) * 1e-2, theta
+
+
+def honest_mean() -> tuple[torch.Tensor, torch.Tensor]:
+    (d0, theta), (d1, _) = vectors(0), vectors(1)
+    return (d0 + d1) / 2, theta
+
+
+def barrier(work: Path, name: str, index: int) -> None:
+    (work / f"{name}{index}").touch()
+    deadline = time.time() + 60
+    while not all((work / f"{name}{i}").exists() for i in range(PEERS)):
+        assert time.time() < deadline, f"barrier {name} timed out"
+        time.sleep(0.05)
+
+
+def main() -> None:
+    index, attack, defend, work = (
+        int(sys.argv[1]),
+        sys.argv[2],
+        sys.argv[3] == "1",
+        Path(sys.argv[4]),
+    )
+    addr_file = work / "addr"
+    initial = []
+    if index > 0:
+        while not addr_file.exists():
+            time.sleep(0.1)
+        initial = [addr_file.read_text()]
+    dht = DHT(
+        initial_peers=initial,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        start=True,
+        authorizer=SwarmAuthorizer(KEY),
+    )
+    if index == 0:
+        addr_file.write_text(str(dht.get_visible_maddrs()[0]))
+    declare_member(dht, "atk", KEY, dht.peer_id)
+    avg = ProbedAverager(
+        dht,
+        "atk_avg",
+        NUMEL,
+        "none",
+        2.0,
+        8.0,
+        8,
+        lambda: ({}, []),
+        MemberGate(KEY, "atk"),
+        Defence() if defend else None,
+    )
+    delta, theta = vectors(index)
+    if index == 2:
+        delta, theta = poison(attack, delta, theta, None)
+    rounds, rejected = [], []
+    for r in range(2):
+        barrier(work, f"round{r}_", index)
+        avg.start(delta, theta, 1.0, {"name": f"h{index}"})
+        while not avg.done():
+            time.sleep(0.02)
+        try:
+            res = avg.result()
+            rounds.append(
+                {
+                    "failed": False,
+                    "group": res.group_size,
+                    "delta": res.delta,
+                    "theta": res.theta_sync,
+                }
+            )
+        except RoundFailed as e:
+            rounds.append({"failed": True, "why": str(e)})
+        rejected += avg.rejections()
+    if index < 2:
+        torch.save({"rounds": rounds, "rejected": rejected}, work / f"out{index}.pt")
+    print(index, [(r["failed"], r.get("group"), r.get("why")) for r in rounds], rejected)
+    avg.shutdown()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Swarm keys close the DHT, averaging and state-download gates; bad updates are refused."""
+
+import asyncio
+import importlib.util
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hivemind import DHT
+from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
+from hivemind.utils.timed_storage import get_dht_time
+
+from atomtrain.errors import AtomError
+from atomtrain.peer.auth import (
+    MemberGate,
+    SwarmAuthorizer,
+    SwarmKey,
+    declare_member,
+    load_swarm_key,
+    parse_key,
+    write_new_key,
+)
+from atomtrain.peer.averaging import GuardedAverager, ProbedAverager
+from atomtrain.peer.robust import Defence, capped_weights
+
+HERE = Path(__file__).parent
+NUMEL = 4000
+SWARM = "sec"
+
+
+def keyed_peer(
+    key: SwarmKey | None, initial: list[str] | None = None
+) -> tuple[DHT, ProbedAverager]:
+    dht = DHT(
+        initial_peers=initial or [],
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        start=True,
+        authorizer=SwarmAuthorizer(key) if key else None,
+    )
+    declare_member(dht, SWARM, key, dht.peer_id)
+    state = ({"round": 7}, [torch.ones(NUMEL), torch.zeros(NUMEL)])
+    avg = ProbedAverager(
+        dht, f"{SWARM}_avg", NUMEL, "none", 1.0, 10.0, 4, lambda: state, MemberGate(key, SWARM)
+    )
+    return dht, avg
+
+
+async def knock(victim: DHT, prefix: str) -> dict[str, object]:
+    """Call the victim's three averaging RPCs directly over libp2p, as a peer without the key
+    that skipped the DHT would, and report what came back."""
+    p2p = await P2P.create(initial_peers=[str(a) for a in victim.get_visible_maddrs()])
+    try:
+        stub = GuardedAverager.get_stub(p2p, victim.peer_id, namespace=prefix)
+        join = await stub.rpc_join_group(
+            averaging_pb2.JoinRequest(
+                schema_hash=b"x", expiration=get_dht_time() + 10, group_key=f"{prefix}.0b"
+            )
+        )
+        join_code = (await join.__anext__()).code
+
+        async def parts():
+            yield averaging_pb2.AveragingData(
+                code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g", weight=1.0
+            )
+
+        part = await stub.rpc_aggregate_part(parts())
+        part_code = (await part.__anext__()).code
+        download = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        state_messages = [m async for m in download]
+        return {"join": join_code, "part": part_code, "state_messages": len(state_messages)}
+    finally:
+        await p2p.shutdown()
+
+
+def test_a_peer_without_the_key_is_refused_at_every_gate():
+    key = SwarmKey(secrets.token_bytes(32))
+    dht, avg = keyed_peer(key)
+    try:
+        addr = [str(a) for a in dht.get_visible_maddrs()]
+        # gate 1, the DHT: neither no key nor a wrong key bootstraps, reads or writes
+        for other in (None, SwarmKey(secrets.token_bytes(32))):
+            with pytest.raises(RuntimeError, match="bootstrap failed"):
+                DHT(
+                    initial_peers=addr,
+                    start=True,
+                    authorizer=SwarmAuthorizer(other) if other else None,
+                )
+        loose = DHT(initial_peers=addr, start=True, ensure_bootstrap_success=False)
+        try:
+            assert loose.get(f"{SWARM}_members", latest=True) is None
+            loose.store("planted", 1, get_dht_time() + 60)
+            assert dht.get("planted", latest=True) is None
+        finally:
+            loose.shutdown()
+        # gates 2 and 3: averaging RPCs and state download, called directly over libp2p
+        outsider = asyncio.run(knock(dht, f"{SWARM}_avg"))
+        assert outsider == {
+            "join": averaging_pb2.PROTOCOL_VIOLATION,
+            "part": averaging_pb2.PROTOCOL_VIOLATION,
+            "state_messages": 0,
+        }
+        # the same calls from a key holder get through (so the refusals above are the gates')
+        member = DHT(initial_peers=addr, start=True, authorizer=SwarmAuthorizer(key))
+        try:
+            declare_member(member, SWARM, key, member.peer_id)
+            got = member.get(f"{SWARM}_members", latest=True)
+            assert got is not None and member.peer_id.to_base58() in got.value
+            insider_avg = ProbedAverager(
+                member,
+                f"{SWARM}_avg",
+                NUMEL,
+                "none",
+                1.0,
+                10.0,
+                4,
+                lambda: ({}, []),
+                MemberGate(key, SWARM),
+            )
+            state = insider_avg.download_state(timeout_s=20)
+            assert state is not None and state[0]["round"] == 7
+            insider_avg.shutdown()
+        finally:
+            member.shutdown()
+    finally:
+        avg.shutdown()
+        dht.shutdown()
+
+
+def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
+    """Three averager processes (two honest, peer 2 poisoned), two rounds each."""
+    tmp_path = tmp_path / f"{attack}-{'defended' if defend else 'undefended'}"
+    tmp_path.mkdir()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "peer_attack_harness.py"),
+                str(i),
+                attack,
+                "1" if defend else "0",
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for i in range(3)
+    ]
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=150)
+            assert p.returncode == 0, out[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return {i: torch.load(tmp_path / f"out{i}.pt") for i in range(2)}
+
+
+@pytest.mark.parametrize("attack", ["nan", "scale"])
+def test_a_poisoned_contribution_never_reaches_the_averaged_parameters(tmp_path: Path, attack: str):
+    spec = importlib.util.spec_from_file_location("harness", HERE / "peer_attack_harness.py")
+    assert spec is not None and spec.loader is not None
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    outs = run_round(tmp_path, attack, defend=True)
+    want_delta, want_theta = harness.honest_mean()
+    for out in outs.values():
+        for rnd in out["rounds"]:
+            if rnd["failed"]:  # a round the attacker spoiled is discarded: nothing applied
+                continue
+            assert rnd["group"] == 2  # only the honest peers
+            assert torch.allclose(rnd["delta"], want_delta, atol=1e-6)
+            assert torch.allclose(rnd["theta"], want_theta, atol=1e-6)
+        assert out["rejected"], "the attacker was not named"
+        assert any(not r["failed"] for r in out["rounds"])  # the honest peers went on together
+    # without the defences the poison does arrive (so the test above can fail)
+    undefended = run_round(tmp_path, attack, defend=False)
+    deltas = [r["delta"] for out in undefended.values() for r in out["rounds"] if not r["failed"]]
+    assert deltas and any(
+        not torch.isfinite(d).all() or d.abs().max() > 1e3 * want_delta.abs().max() for d in deltas
+    )
+
+
+def test_weights_are_capped_the_same_way_everywhere():
+    assert capped_weights([100.0, 110.0, 1e9], 4.0) == [100.0, 110.0, 440.0]
+    assert capped_weights([float("nan"), 5.0], 4.0)[0] == pytest.approx(1e-6)
+    assert capped_weights([], Defence().weight_cap) == []
+
+
+def test_keys_are_written_private_parsed_strictly_and_never_overwritten(tmp_path, monkeypatch):
+    path = tmp_path / "swarm.key"
+    key = write_new_key(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert load_swarm_key(str(path)) == key
+    with pytest.raises(AtomError, match="already exists"):
+        write_new_key(path)
+    assert load_swarm_key(str(path)) == key  # untouched
+    monkeypatch.setenv("ATOM_SWARM_KEY", key.secret.hex())
+    assert load_swarm_key("") == key
+    monkeypatch.delenv("ATOM_SWARM_KEY")
+    assert load_swarm_key("") is None
+    for bad in ("", "zz" * 32, "ab" * 31, "ab" * 33):
+        with pytest.raises(AtomError, match="not a swarm key"):
+            parse_key(bad, "test")
+    with pytest.raises(AtomError, match="cannot read swarm key"):
+        load_swarm_key(str(tmp_path / "missing.key"))
