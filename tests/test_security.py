@@ -210,3 +210,44 @@ def test_keys_are_written_private_parsed_strictly_and_never_overwritten(tmp_path
             parse_key(bad, "test")
     with pytest.raises(AtomError, match="cannot read swarm key"):
         load_swarm_key(str(tmp_path / "missing.key"))
+
+
+def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Path):
+    from atomtrain.config import PeerSection
+    from atomtrain.models import GPT, GPTConfig
+    from atomtrain.optim import AdamW, AdamWConfig
+    from atomtrain.peer.runtime import PeerRuntime
+    from atomtrain.train.runner import PlainRunner
+
+    model = GPT(GPTConfig.from_name("tiny"))
+    runner = PlainRunner(
+        model, AdamW(dict(model.named_parameters()), AdamWConfig()), 2, 1.0, torch.device("cpu")
+    )
+    numel = sum(p.numel() for p in runner.host_parameters().values())
+    key_file = tmp_path / "swarm.key"
+    key = write_new_key(key_file)
+    poisoned = ({"round": 3}, [torch.full((numel,), float("nan")), torch.zeros(numel)])
+    dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, authorizer=SwarmAuthorizer(key))
+    declare_member(dht, SWARM, key, dht.peer_id)
+    server = ProbedAverager(
+        dht, f"{SWARM}_avg", numel, "none", 1.0, 10.0, 4, lambda: poisoned, MemberGate(key, SWARM)
+    )
+    before = {n: p.detach().clone() for n, p in runner.host_parameters().items()}
+    cfg = PeerSection(
+        swarm=SWARM,
+        join=str(dht.get_visible_maddrs()[0]),
+        swarm_key=str(key_file),
+        state_timeout_s=10.0,
+    )
+    joiner = PeerRuntime(cfg, runner, "joiner", 10, tmp_path)
+    try:
+        joiner.start(None)
+        after = runner.host_parameters()
+        assert all(torch.equal(before[n], after[n]) for n in before)  # nothing was replaced
+        assert joiner.round == 0
+    finally:
+        joiner.shutdown()
+        if joiner.watchdog is not None:
+            joiner.watchdog.kill()
+        server.shutdown()
+        dht.shutdown()
