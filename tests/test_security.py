@@ -1,7 +1,6 @@
 """Swarm keys close the DHT, averaging and state-download gates; bad updates are refused."""
 
 import asyncio
-import importlib.util
 import secrets
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from atomtrain.peer.auth import (
 )
 from atomtrain.peer.averaging import GuardedAverager, ProbedAverager
 from atomtrain.peer.robust import Defence, capped_weights
+
+from .peer_attack_harness import honest_mean
 
 HERE = Path(__file__).parent
 NUMEL = 4000
@@ -164,12 +165,8 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
 
 @pytest.mark.parametrize("attack", ["nan", "scale"])
 def test_a_poisoned_contribution_never_reaches_the_averaged_parameters(tmp_path: Path, attack: str):
-    spec = importlib.util.spec_from_file_location("harness", HERE / "peer_attack_harness.py")
-    assert spec is not None and spec.loader is not None
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
     outs = run_round(tmp_path, attack, defend=True)
-    want_delta, want_theta = harness.honest_mean()
+    want_delta, want_theta = honest_mean()
     for out in outs.values():
         for rnd in out["rounds"]:
             if rnd["failed"]:  # a round the attacker spoiled is discarded: nothing applied
@@ -251,3 +248,20 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
             joiner.watchdog.kill()
         server.shutdown()
         dht.shutdown()
+
+
+def test_keygen_and_bad_keys_from_the_command_line(tmp_path: Path):
+    from .conftest import run_cli
+
+    made = run_cli("keygen", "swarm.key", cwd=tmp_path)
+    assert made.returncode == 0 and "wrote swarm key" in made.stdout
+    text = (tmp_path / "swarm.key").read_text()
+    again = run_cli("keygen", "swarm.key", cwd=tmp_path)
+    assert (
+        again.returncode == 2 and again.stderr.count("\n") == 1 and "already exists" in again.stderr
+    )
+    assert (tmp_path / "swarm.key").read_text() == text  # nothing overwritten
+    (tmp_path / "bad.key").write_text("not a key\n")
+    for key, message in (("bad.key", "is not a swarm key"), ("missing.key", "cannot read")):
+        out = run_cli("train", "--swarm", "s", "--swarm-key", key, "--train.steps=1", cwd=tmp_path)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr

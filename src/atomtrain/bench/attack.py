@@ -39,6 +39,11 @@ class AttackConfig:
         "--peer.matchmaking_s=1.5",
         "--peer.averaging_timeout_s=15",
         "--peer.final_wait_s=60",
+        # plain model averaging as the outer step: over a few short rounds DiLoCo's Nesterov
+        # momentum makes the final loss swing by several percent from run to run, which would
+        # drown the effect measured here
+        "--peer.outer_lr=1.0",
+        "--peer.outer_momentum=0.0",
     )
 
 

@@ -343,7 +343,7 @@ class GuardedAverager(DecentralizedAverager):
         runner = RobustRunner(
             kinds=self._kinds,
             weights=dict(zip(group_info.peer_ids, capped, strict=True)),
-            reported_rms=reported,
+            reported_rms=dict(zip(group_info.peer_ids, reported, strict=True)),
             banned=set(self._gate.banned),
             defence=self._defence,
             on_reject=self._reject,

@@ -1,23 +1,25 @@
 """Robust aggregation inside hivemind's all-reduce: one peer cannot move the model arbitrarily.
 
 In a butterfly all-reduce every member reduces one span of the vectors: it receives every member's
-part of that span and sends back their average. Here the reducer first checks each part:
+part of that span and sends back their average. Here the reducer first checks each part against
+its *own* part (it trusts only itself) and against the size an honest contribution has this round
+(`Typical`: the group's lower-median update per token, times the member's capped tokens):
 
 - a part with non-finite values is dropped;
-- a part is compared with the reducer's *own* part (it trusts only itself): its distance is bounded
-  by `clip` times the size of a typical update, where a typical update is the reducer's own
-  pseudo-gradient (its RMS over the whole vector, scaled to the part's length). A part beyond the
-  bound is pulled back onto it (centered clipping); one beyond `reject` times the bound is dropped;
+- a pseudo-gradient part farther from ours than `clip` typical sizes is pulled back onto that
+  bound (centered clipping); beyond `reject` sizes it is dropped. The synchronized parameters, on
+  which honest members agree up to a few missed outer steps, get the looser `theta_*` bounds and,
+  with three or more members, their coordinate-wise median;
 - weights (tokens) are capped at `weight_cap` times the group's lower median weight.
 
-A member whose part is dropped is *rejected*: named to the peer (and so in its log and status), and
-banned: the gates refuse it from then on and its data in any later group is dropped. Probe elements
-(see averaging.py) are averaged as they are, with the same capped weights, so every member can still
-tell a fully averaged round from a partial one.
+A member whose part is dropped is *rejected*: named to the peer (and so in its log and status) and
+banned: the gates refuse it from then on, and its data in any later group is dropped. Probe
+elements (see averaging.py) are averaged as they are, with the same capped weights, so every
+member can still tell a fully averaged round from a partial one.
 
-A reducer can lie too: every member checks the averaged parts it receives (finite, and within
-`reject` times its own bound of its own values). A reducer that fails the check is rejected and
-banned like a sender, and the round it spoiled is discarded.
+A reducer can lie too: every member checks the averaged parts it receives (finite, and within the
+`reject` bounds of its own values). A reducer that fails the check is rejected and banned like a
+sender, and the round it spoiled is discarded.
 """
 
 from __future__ import annotations
@@ -73,14 +75,31 @@ def lower_median(values: Sequence[float]) -> float:
     return ok[(len(ok) - 1) // 2] if ok else 0.0
 
 
-def update_rms(tensors: Sequence[torch.Tensor], kinds: Sequence[str]) -> float:
-    """RMS of the pseudo-gradient."""
-    total, count = 0.0, 0
-    for t, kind in zip(tensors, kinds, strict=True):
-        if kind == DELTA:
-            total += float(t.double().pow(2).sum())
-            count += t.numel()
-    return math.sqrt(total / count) if count else 0.0
+@dataclass(frozen=True)
+class Typical:
+    """How large (RMS per element) an honest contribution is expected to be this round.
+
+    An update grows with the tokens behind it, so each member's typical update is the group's
+    typical update *per token* (the lower median of what members report: one cannot inflate it)
+    times the member's capped tokens. The synchronized parameters of honest members differ by
+    about one round's update."""
+
+    delta: dict[int, float]
+    """Per sender index."""
+    theta: float
+
+    @classmethod
+    def of(
+        cls, weights: Sequence[float], reported_rms: Sequence[float], min_scale: float
+    ) -> Typical:
+        per_token = lower_median([r / w for r, w in zip(reported_rms, weights, strict=True)])
+        median_w = lower_median(list(weights)) or 1.0
+        per_token = max(per_token, min_scale / median_w)
+        return cls({i: per_token * w for i, w in enumerate(weights)}, per_token * median_w)
+
+    def delta_bound(self, i: int, own: int) -> float:
+        """Distance between two honest updates: at most about the sum of their sizes."""
+        return self.delta[i] + self.delta[own]
 
 
 def limits(defence: Defence, kind: str) -> tuple[float, float]:
@@ -103,7 +122,7 @@ class RobustReducer(TensorPartReducer):
         part_kinds: Sequence[str],
         weights: Sequence[float],
         own_sender: int,
-        scale: float,
+        typical: Typical,
         defence: Defence,
         banned: Sequence[bool],
         on_reject: Callable[[int, str], None],
@@ -111,7 +130,7 @@ class RobustReducer(TensorPartReducer):
         self.part_kinds = list(part_kinds)
         self.weights = list(weights)
         self.own_sender = own_sender
-        self.scale = scale
+        self.typical = typical
         self.defence = defence
         self.dropped = list(banned)
         self.on_reject = on_reject
@@ -156,7 +175,8 @@ class RobustReducer(TensorPartReducer):
         kind = self.part_kinds[self.current_part_index]
         if kind == PROBE:
             return self._mean(self.parts.items(), shape)
-        own = self.parts.get(self.own_sender)
+        own_i = self.own_sender
+        own = self.parts.get(own_i)
         kept: list[tuple[int, torch.Tensor]] = []
         for i, x in self.parts.items():
             if i == self.own_sender or own is None:
@@ -170,10 +190,11 @@ class RobustReducer(TensorPartReducer):
             r = x - own
             norm = float(r.norm())
             clip, reject = limits(self.defence, kind)
-            if norm > bound(self.scale, x.numel(), reject):
-                self._reject(i, f"{kind} {norm / bound(self.scale, x.numel(), 1):.3g}x typical")
+            scale = self.typical.theta if kind == THETA else self.typical.delta_bound(i, own_i)
+            if norm > bound(scale, x.numel(), reject):
+                self._reject(i, f"{kind} {norm / bound(scale, x.numel(), 1):.3g}x typical")
                 continue
-            tau = bound(self.scale, x.numel(), clip)
+            tau = bound(scale, x.numel(), clip)
             kept.append((i, own + r * (tau / norm) if norm > tau else x))
         if kind == THETA and len(kept) >= 3:  # honest peers agree on it: one outlier cannot move it
             return torch.stack([x for _, x in kept]).median(dim=0).values
@@ -200,30 +221,31 @@ class RobustRunner(AllReduceRunner):
         *,
         kinds: Sequence[str],
         weights: dict[PeerID, float],
-        reported_rms: Sequence[float],
+        reported_rms: dict[PeerID, float],
         banned: set[PeerID],
         defence: Defence,
         on_reject: Callable[[PeerID, str], None],
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
-        tensors = self.tensor_part_container.local_tensors
-        # a typical update: ours, or the group's lower median when larger (one peer cannot
-        # inflate it; a newcomer's small first update does not shrink it)
-        own_rms = update_rms(tensors, kinds)
-        self.scale = max(own_rms, lower_median(reported_rms), defence.min_scale)
         self.defence = defence
         self._on_reject = on_reject
         own_index = self.ordered_peer_ids.index(self.peer_id)
         own_parts = self.tensor_part_container._input_parts_by_peer[own_index]
         part_kinds = [kinds[info.key] for _, info in own_parts]
         senders = self.sender_peer_ids
+        self.typical = Typical.of(
+            [weights.get(p, MIN_WEIGHT) for p in senders],
+            [reported_rms.get(p, math.nan) for p in senders],
+            defence.min_scale,
+        )
+        self._own_sender = senders.index(self.peer_id)
         self.tensor_part_reducer = RobustReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
             part_kinds,
             [weights.get(p, MIN_WEIGHT) for p in senders],
-            senders.index(self.peer_id),
-            self.scale,
+            self._own_sender,
+            self.typical,
             defence,
             [p in banned for p in senders],
             lambda i, why: on_reject(senders[i], why),
@@ -245,7 +267,11 @@ class RobustRunner(AllReduceRunner):
         """`delta` is the reducer's average minus our own part."""
         kind = self._kinds_by_peer[peer_index][part_index]
         norm = float(delta.norm())
-        typical = bound(self.scale, delta.numel(), 1.0)
+        if kind == THETA:
+            scale = self.typical.theta
+        else:  # an average of updates is no farther from ours than the largest one
+            scale = max(self.typical.delta.values()) + self.typical.delta[self._own_sender]
+        typical = bound(scale, delta.numel(), 1.0)
         if not bool(torch.isfinite(delta).all()):
             why = "non-finite averages"
         elif kind != PROBE and norm > typical * limits(self.defence, kind)[1]:
@@ -254,4 +280,6 @@ class RobustRunner(AllReduceRunner):
             return
         culprit = self.ordered_peer_ids[peer_index]
         self._on_reject(culprit, f"reducer returned {why}")
-        raise AllreduceException(f"{culprit} returned {why}")
+        error = AllreduceException(f"{culprit} returned {why}")
+        self.finalize(exception=error)  # the round is lost: end it now, not at its timeout
+        raise error

@@ -147,10 +147,12 @@ class PeerRuntime:
                 authorizer=SwarmAuthorizer(self.key) if self.key else None,
             )
         except Exception as e:
-            refused = " (no peer accepted this one: is it the swarm's key?)" if initial else ""
-            raise AtomError(
-                f"cannot start or join the swarm{refused} ({type(e).__name__}: {e})"
-            ) from None
+            if initial and "bootstrap failed" in str(e):
+                raise AtomError(
+                    "cannot join the swarm: no peer accepted this one (does the swarm use "
+                    "another key, or none? is a peer running at --join?)"
+                ) from None
+            raise AtomError(f"cannot start the swarm ({type(e).__name__}: {e})") from None
         declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id)
         self.averager = ProbedAverager(
             self.dht,
