@@ -151,8 +151,11 @@ def member_proof(key: SwarmKey, peer_id: PeerID) -> bytes:
     return key.mac(b"atom-member", peer_id.to_bytes())
 
 
-def declare_member(dht: Any, swarm: str, key: SwarmKey | None, peer_id: PeerID) -> None:
-    """Publish this peer's membership proof (refreshed with its status)."""
+def declare_member(
+    dht: Any, swarm: str, key: SwarmKey | None, peer_id: PeerID, wait: bool = False
+) -> None:
+    """Publish this peer's membership proof (refreshed with its status). `wait` at start, so
+    the gates know this peer before it asks anything of them."""
     if key is None:
         return
     dht.store(
@@ -160,7 +163,7 @@ def declare_member(dht: Any, swarm: str, key: SwarmKey | None, peer_id: PeerID) 
         subkey=peer_id.to_base58(),
         value=member_proof(key, peer_id).hex(),
         expiration_time=get_dht_time() + PROOF_TTL_S,
-        return_future=True,
+        return_future=not wait,
     )
 
 

@@ -31,7 +31,8 @@ class ChurnConfig:
     """Local steps of each original peer."""
     sync_every: int = 10
     kill_after_round: int = 1
-    """Kill once the victim has applied this many rounds (while its next one runs)."""
+    """Kill once the victim has applied this many rounds and written a checkpoint (while its
+    next round runs)."""
     restart_killed: bool = True
     """Restart the killed peer from its last checkpoint."""
     averaging_timeout_s: float = 20.0
@@ -97,7 +98,12 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
         for i in range(1, n):
             swarm.launch(i, n, addr)
         victim = swarm.peers[-1]
-        _wait(lambda: _rounds(victim) >= cfg.kill_after_round, 180, "the victim's first round")
+        _wait(  # a round applied, and a checkpoint to restart from
+            lambda: _rounds(victim) >= cfg.kill_after_round
+            and (not cfg.restart_killed or latest_checkpoint(victim.run_dir) is not None),
+            180,
+            "the victim's first round and checkpoint",
+        )
         time.sleep(cfg.sync_every * 0.05)  # into its next round
         helpers = [p.pid for p in psutil.Process(victim.proc.pid).children(recursive=True)]
         victim.proc.send_signal(signal.SIGKILL)

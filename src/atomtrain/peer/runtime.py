@@ -153,7 +153,7 @@ class PeerRuntime:
                     "another key, or none? is a peer running at --join?)"
                 ) from None
             raise AtomError(f"cannot start the swarm ({type(e).__name__}: {e})") from None
-        declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id)
+        declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id, wait=True)
         self.averager = ProbedAverager(
             self.dht,
             f"{self.cfg.swarm}_avg",
