@@ -301,6 +301,10 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         self._guard_leaders()
+        # hivemind retries a step whose all-reduce failed, starting from tensors the failed
+        # attempt already half-updated in place: keep this round's input to restart from it
+        with self.get_tensors() as tensors:
+            self._round_input = [t.detach().clone() for t in tensors]
         return await super()._step(step=step, future_for_init=future_for_init)
 
     def _guard_leaders(self) -> None:
@@ -327,6 +331,8 @@ class GuardedAverager(DecentralizedAverager):
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        for tensor, original in zip(tensors, getattr(self, "_round_input", ()), strict=False):
+            tensor.copy_(original)  # every attempt of a round starts from the round's input
         if self._defence is None:
             return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         group_id = group_info.group_id if group_id is None else group_id

@@ -159,6 +159,10 @@ class RobustReducer(TensorPartReducer):
         if part_index != self.current_part_index:
             raise AllreduceException("part arrived out of order")
         future = self.current_part_future
+        if tensor_part.shape != self.part_shapes[part_index] or not tensor_part.is_floating_point():
+            self._reject(sender_index, f"a part of {tensor_part.dtype} {tuple(tensor_part.shape)}")
+            self.num_parts_received[sender_index] -= 1  # not received: the part is not waited for
+            raise AllreduceException("a part of the wrong shape or dtype")
         if part_index < self.sender_failed_after[sender_index]:
             self.parts[sender_index] = tensor_part.detach().float().clone()
             self.current_part_accumulated_from += 1
