@@ -99,8 +99,10 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
             swarm.launch(i, n, addr)
         victim = swarm.peers[-1]
         _wait(  # a round applied, and a checkpoint to restart from
-            lambda: _rounds(victim) >= cfg.kill_after_round
-            and (not cfg.restart_killed or latest_checkpoint(victim.run_dir) is not None),
+            lambda: (
+                _rounds(victim) >= cfg.kill_after_round
+                and (not cfg.restart_killed or latest_checkpoint(victim.run_dir) is not None)
+            ),
             180,
             "the victim's first round and checkpoint",
         )
