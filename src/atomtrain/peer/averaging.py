@@ -9,7 +9,12 @@ that dies mid-round leaves its span unaveraged on the survivors, with only a log
 vectors are cut into many chunks with a one-element *probe* after each. Every member writes its own
 random probe value and tells the group that value (all-gather); after the round every probe must
 equal the weighted mean of those values. A probe that does not lies in a span nobody averaged, and
-the whole round is discarded rather than applied half-averaged.
+the whole round is discarded rather than applied half-averaged. hivemind retries a round whose
+all-reduce failed from tensors the failed attempt half-updated in place, so every attempt here
+restarts from the round's input.
+
+The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
+(robust.py).
 """
 
 from __future__ import annotations
