@@ -33,11 +33,9 @@ NUMEL = 4000
 SWARM = "sec"
 
 
-def keyed_peer(
-    key: SwarmKey | None, initial: list[str] | None = None
-) -> tuple[DHT, ProbedAverager]:
+def keyed_peer(key: SwarmKey | None) -> tuple[DHT, ProbedAverager]:
+    """A peer of a keyed swarm that serves a known state (round 7)."""
     dht = DHT(
-        initial_peers=initial or [],
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         start=True,
         authorizer=SwarmAuthorizer(key) if key else None,
