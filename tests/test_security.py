@@ -265,7 +265,9 @@ def test_keygen_and_bad_keys_from_the_command_line(tmp_path: Path):
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
 
 
-def reduce_one_part(parts: dict[int, torch.Tensor], kind: str = "delta", shape=(100,)):
+def reduce_one_part(
+    parts: dict[int, torch.Tensor], kind: str = "delta", shape=(100,), in_sync=None
+):
     """Run the robust reducer on one part: sender 0 is the reducer itself."""
     from hivemind.averaging.partition import AllreduceException
 
@@ -285,6 +287,7 @@ def reduce_one_part(parts: dict[int, torch.Tensor], kind: str = "delta", shape=(
             Defence(),
             [False] * n,
             lambda i, why: rejected.append((i, why)),
+            in_sync,
         )
 
         async def send(i: int, x: torch.Tensor):
@@ -320,3 +323,19 @@ def test_the_reducer_drops_bad_parts_and_clips_outliers():
     stale = own + 100.0  # synchronized parameters far off: the median of three ignores it
     avg, rejected = reduce_one_part({0: own, 1: own.clone(), 2: stale}, kind="theta")
     assert torch.allclose(avg, own)
+
+
+def test_stale_members_neither_move_the_update_nor_lie_about_their_parameters():
+    g = torch.Generator().manual_seed(1)
+    own, honest = torch.randn(100, generator=g), torch.randn(100, generator=g)
+    # member 2 averages from other synchronized parameters: its update is left out
+    avg, rejected = reduce_one_part(
+        {0: own, 1: honest, 2: torch.zeros(100)}, in_sync=[True, True, False]
+    )
+    assert torch.allclose(avg, (own + honest) / 2) and not rejected
+    # member 2 claims the group's synchronized parameters but sends others: rejected
+    theta = torch.randn(100, generator=g)
+    avg, rejected = reduce_one_part(
+        {0: theta, 1: theta.clone(), 2: theta + 1e-3}, kind="theta", in_sync=[True] * 3
+    )
+    assert torch.equal(avg, theta) and [i for i, _ in rejected] == [2]

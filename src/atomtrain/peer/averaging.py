@@ -19,6 +19,7 @@ The averager runs behind the swarm's gates (auth.py) and, when defended, reduces
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import multiprocessing as mp
 import queue
@@ -160,7 +161,15 @@ class ProbedAverager:
         with self.averager.get_tensors() as tensors:
             self._write(tensors, delta, theta_sync, self._probe)
         rms = float(delta.double().pow(2).mean().sqrt()) if delta.numel() else 0.0
-        gather = {**info, "probe": self._probe, "weight": weight, "rms": rms}
+        self._theta_in = theta_sync.detach().float().clone()
+        self._theta_digest = _digest(self._theta_in)
+        gather = {
+            **info,
+            "probe": self._probe,
+            "weight": weight,
+            "rms": rms,
+            "theta_digest": self._theta_digest,
+        }
         self._control = self.averager.step(
             wait=False, weight=max(weight, 1e-6), timeout=self.timeout_s, gather=gather
         )
@@ -216,7 +225,15 @@ class ProbedAverager:
         finite = bool(torch.isfinite(delta).all()) and bool(torch.isfinite(theta_sync).all())
         if self.defence is not None and not finite:
             raise RoundFailed("the averages hold non-finite values; discarded")
+        if self.defence is not None and self._in_sync(peers):
+            # most of the group holds our synchronized parameters bit for bit, so their average
+            # is ours: no reducer (an honest one would agree) gets to move them
+            theta_sync = self._theta_in
         return RoundResult(delta, theta_sync, len(peers), peers)
+
+    def _in_sync(self, peers: list[dict[str, Any]]) -> bool:
+        same = sum(1 for g in peers if g.get("theta_digest") == self._theta_digest)
+        return same * 2 > len(peers)
 
     def rejections(self) -> list[tuple[str, str]]:
         """(peer, why) for each member the averager rejected since the last call, by name when a
@@ -239,6 +256,10 @@ class ProbedAverager:
     def shutdown(self) -> None:
         self.cancel()
         self.averager.shutdown()
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
 
 
 def _finite(x: float) -> bool:
@@ -341,21 +362,30 @@ class GuardedAverager(DecentralizedAverager):
         if self._defence is None:
             return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         group_id = group_info.group_id if group_id is None else group_id
-        weights, reported = [], []
+        weights, reported, digests = [], [], []
         for blob in group_info.gathered:
             try:
                 user = self.serializer.loads(self.serializer.loads(blob)[2])
                 weights.append(float(user["weight"]))
                 reported.append(float(user.get("rms", float("nan"))))
+                digests.append(str(user.get("theta_digest", "")))
             except Exception:  # malformed metadata: the probe check discards the round
                 weights.append(float("nan"))
                 reported.append(float("nan"))
+                digests.append("")
+        majority = max(set(digests), key=digests.count)
+        in_sync = (
+            {p: d == majority for p, d in zip(group_info.peer_ids, digests, strict=True)}
+            if majority and digests.count(majority) * 2 > len(digests)
+            else None
+        )
         capped = capped_weights(weights, self._defence.weight_cap)
         runner = RobustRunner(
             kinds=self._kinds,
             weights=dict(zip(group_info.peer_ids, capped, strict=True)),
             reported_rms=dict(zip(group_info.peer_ids, reported, strict=True)),
             banned=set(self._gate.banned),
+            in_sync=in_sync,
             defence=self._defence,
             on_reject=self._reject,
             p2p=self._p2p,

@@ -126,6 +126,7 @@ class RobustReducer(TensorPartReducer):
         defence: Defence,
         banned: Sequence[bool],
         on_reject: Callable[[int, str], None],
+        in_sync: Sequence[bool] | None = None,
     ) -> None:
         self.part_kinds = list(part_kinds)
         self.weights = list(weights)
@@ -133,6 +134,8 @@ class RobustReducer(TensorPartReducer):
         self.typical = typical
         self.defence = defence
         self.dropped = list(banned)
+        # who holds the group's majority synchronized parameters (None: no majority)
+        self.in_sync = list(in_sync) if in_sync is not None else None
         self.on_reject = on_reject
         self.parts: dict[int, torch.Tensor] = {}
         super().__init__(part_shapes, len(weights))
@@ -183,10 +186,21 @@ class RobustReducer(TensorPartReducer):
         own = self.parts.get(own_i)
         kept: list[tuple[int, torch.Tensor]] = []
         for i, x in self.parts.items():
+            if kind == DELTA and self.in_sync is not None and not self.in_sync[i]:
+                continue  # an update made from other synchronized parameters than the group's
             if i == self.own_sender or own is None:
                 kept.append((i, x))
                 continue
             if self.dropped[i]:
+                continue
+            if (
+                kind == THETA
+                and self.in_sync
+                and self.in_sync[i]
+                and self.in_sync[own_i]
+                and not torch.equal(x, own)
+            ):
+                self._reject(i, "claims the group's synchronized parameters, sends others")
                 continue
             if not bool(torch.isfinite(x).all()):
                 self._reject(i, "non-finite values")
@@ -227,6 +241,7 @@ class RobustRunner(AllReduceRunner):
         weights: dict[PeerID, float],
         reported_rms: dict[PeerID, float],
         banned: set[PeerID],
+        in_sync: dict[PeerID, bool] | None,
         defence: Defence,
         on_reject: Callable[[PeerID, str], None],
         **kwargs,
@@ -253,6 +268,7 @@ class RobustRunner(AllReduceRunner):
             defence,
             [p in banned for p in senders],
             lambda i, why: on_reject(senders[i], why),
+            [in_sync[p] for p in senders] if in_sync is not None else None,
         )
         self._kinds_by_peer = [
             [kinds[info.key] for _, info in parts]
