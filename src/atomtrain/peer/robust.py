@@ -10,7 +10,11 @@ its *own* part (it trusts only itself) and against the size an honest contributi
   bound (centered clipping); beyond `reject` sizes it is dropped. The synchronized parameters, on
   which honest members agree up to a few missed outer steps, get the looser `theta_*` bounds and,
   with three or more members, their coordinate-wise median;
-- weights (tokens) are capped at `weight_cap` times the group's lower median weight.
+- weights (tokens) are capped at `weight_cap` times the group's lower median weight;
+- when most members report the same synchronized parameters (a digest in the round's metadata),
+  updates of the others are left out (they were made from other parameters: a stale model), and
+  a member that claims the majority's parameters but sends others is rejected. Those in the
+  majority then keep their own synchronized parameters (averaging.py).
 
 A member whose part is dropped is *rejected*: named to the peer (and so in its log and status) and
 banned: the gates refuse it from then on, and its data in any later group is dropped. Probe
