@@ -2,7 +2,7 @@
 
     python peer_attack_harness.py INDEX ATTACK DEFEND WORKDIR
 
-Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start each of two rounds
+Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start each of three rounds
 together (file barriers) and save what each round gave them to WORKDIR/out{INDEX}.pt.
 """
 
@@ -20,6 +20,9 @@ from atomtrain.peer.robust import Defence
 
 NUMEL = 5000
 PEERS = 3
+ROUNDS = 3
+"""The first with the attacker; by the last every honest peer has caught it and they average
+together (one that missed it in the first round catches it in the second)."""
 KEY = SwarmKey(bytes(range(32)))
 
 
@@ -63,7 +66,7 @@ def main() -> None:
     )
     if index == 0:
         addr_file.write_text(str(dht.get_visible_maddrs()[0]))
-    declare_member(dht, "atk", KEY, dht.peer_id)
+    declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
     avg = ProbedAverager(
         dht,
         "atk_avg",
@@ -80,7 +83,7 @@ def main() -> None:
     if index == 2:
         delta, theta = poison(attack, delta, theta, None)
     rounds, rejected = [], []
-    for r in range(2):
+    for r in range(ROUNDS):
         barrier(work, f"round{r}_", index)
         avg.start(delta, theta, 1.0, {"name": f"h{index}"})
         while not avg.done():

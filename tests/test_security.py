@@ -40,7 +40,7 @@ def keyed_peer(key: SwarmKey | None) -> tuple[DHT, ProbedAverager]:
         start=True,
         authorizer=SwarmAuthorizer(key) if key else None,
     )
-    declare_member(dht, SWARM, key, dht.peer_id)
+    declare_member(dht, SWARM, key, dht.peer_id, wait=True)
     state = ({"round": 7}, [torch.ones(NUMEL), torch.zeros(NUMEL)])
     avg = ProbedAverager(
         dht, f"{SWARM}_avg", NUMEL, "none", 1.0, 10.0, 4, lambda: state, MemberGate(key, SWARM)
@@ -105,7 +105,7 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
         # the same calls from a key holder get through (so the refusals above are the gates')
         member = DHT(initial_peers=addr, start=True, authorizer=SwarmAuthorizer(key))
         try:
-            declare_member(member, SWARM, key, member.peer_id)
+            declare_member(member, SWARM, key, member.peer_id, wait=True)
             got = member.get(f"{SWARM}_members", latest=True)
             assert got is not None and member.peer_id.to_base58() in got.value
             insider_avg = ProbedAverager(
@@ -130,7 +130,7 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
 
 
 def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
-    """Three averager processes (two honest, peer 2 poisoned), two rounds each."""
+    """Three averager processes (two honest, peer 2 poisoned), three rounds each."""
     tmp_path = tmp_path / f"{attack}-{'defended' if defend else 'undefended'}"
     tmp_path.mkdir()
     procs = [
@@ -223,7 +223,7 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
     key = write_new_key(key_file)
     poisoned = ({"round": 3}, [torch.full((numel,), float("nan")), torch.zeros(numel)])
     dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, authorizer=SwarmAuthorizer(key))
-    declare_member(dht, SWARM, key, dht.peer_id)
+    declare_member(dht, SWARM, key, dht.peer_id, wait=True)
     server = ProbedAverager(
         dht, f"{SWARM}_avg", numel, "none", 1.0, 10.0, 4, lambda: poisoned, MemberGate(key, SWARM)
     )
