@@ -29,7 +29,6 @@ sender, and the round it spoiled is discarded.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,8 +37,6 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import PeerID
-
-log = logging.getLogger(__name__)
 
 DELTA, THETA, PROBE = "delta", "theta", "probe"
 MIN_WEIGHT = 1e-6
@@ -68,9 +65,7 @@ def capped_weights(weights: Sequence[float], cap: float) -> list[float]:
     """The weights the round uses: invalid ones become tiny, large ones are capped. Every member
     computes the same list from the same gathered metadata."""
     clean = [w if math.isfinite(w) and w > 0 else MIN_WEIGHT for w in weights]
-    if not clean:
-        return []
-    median = sorted(clean)[(len(clean) - 1) // 2]
+    median = lower_median(clean)
     return [max(MIN_WEIGHT, min(w, cap * median)) for w in clean]
 
 

@@ -28,7 +28,7 @@ from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, declare_member, loa
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed, RoundResult
 from atomtrain.peer.hygiene import start_watchdog
 from atomtrain.peer.outer import OuterNesterov
-from atomtrain.peer.robust import Defence
+from atomtrain.peer.robust import Defence, lower_median
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.train.runner import StepRunner
 from atomtrain.train.trainer import TrainState
@@ -236,8 +236,7 @@ class PeerRuntime:
     def _swarm_round(self) -> int:
         """The round most live peers are at (the median: one peer cannot claim a false one)."""
         assert self.dht is not None
-        rounds = sorted(s.round for s in read_statuses(self.dht, self.cfg.swarm))
-        return rounds[(len(rounds) - 1) // 2] if rounds else 0
+        return int(lower_median([s.round for s in read_statuses(self.dht, self.cfg.swarm)]))
 
     def _state_problem(self, meta: Any, tensors: list[torch.Tensor]) -> str | None:
         """Why a downloaded state must not be used, or None when it passes every check."""
@@ -404,12 +403,7 @@ class PeerRuntime:
         deadline = time.time() + self.cfg.final_wait_s
         others: list[PeerStatus] = []
         while time.time() < deadline:
-            now = time.time()
-            others = [
-                s
-                for s in read_statuses(self.dht, self.cfg.swarm)
-                if s.name != self.name and s.fresh(now)
-            ]
+            others = self._live_others()
             if all(s.finishing for s in others):
                 break
             time.sleep(0.25)
@@ -432,15 +426,19 @@ class PeerRuntime:
         # long enough for a left-out peer's own last round to time out and ask for the result
         deadline = time.time() + self.cfg.averaging_timeout_s + LINGER_S
         while time.time() < deadline:
-            now = time.time()
-            live = [
-                s
-                for s in read_statuses(self.dht, self.cfg.swarm)
-                if s.name != self.name and s.fresh(now)
-            ]
-            if all(s.done for s in live):
+            if all(s.done for s in self._live_others()):
                 return
             time.sleep(0.25)
+
+    def _live_others(self) -> list[PeerStatus]:
+        """The other peers whose status is fresh."""
+        assert self.dht is not None
+        now = time.time()
+        return [
+            s
+            for s in read_statuses(self.dht, self.cfg.swarm)
+            if s.name != self.name and s.fresh(now)
+        ]
 
     def _adopt_final_state(self, record: dict[str, Any]) -> None:
         assert self.averager is not None
