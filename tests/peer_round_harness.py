@@ -3,7 +3,7 @@
     python peer_round_harness.py INDEX WEIGHT WORKDIR
 
 Peer 0 starts the DHT and writes its address to WORKDIR/addr; others join it. Each peer averages
-its own known vectors once and saves what came back to WORKDIR/out{INDEX}.pt.
+its own known pseudo-gradient once and saves what came back to WORKDIR/out{INDEX}.pt.
 """
 
 import sys
@@ -14,13 +14,31 @@ import torch
 from hivemind import DHT
 
 from atomtrain.peer.averaging import ProbedAverager
+from atomtrain.peer.layout import cut_pieces
 
 NUMEL = 5000
 
 
-def vectors(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(index)
-    return torch.randn(NUMEL, generator=g), torch.randn(NUMEL, generator=g)
+def vectors(index: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(index))
+
+
+def averaged_round(avg: ProbedAverager, delta: torch.Tensor, weight: float, name: str) -> dict:
+    """One round with `delta` as this member's contribution; the flat average that came back."""
+
+    def write(piece, out):
+        out.copy_(delta[piece.offset : piece.offset + piece.numel])
+
+    info = {"name": name, "round": 0, "sketch": [0.0] * 64, "update_size": 1.0, "rms": 1.0}
+    avg.start(write, weight, info)
+    while not avg.done():
+        time.sleep(0.05)
+    result = avg.result()
+    flat = torch.empty(NUMEL)
+    with avg.averaged() as pairs:
+        for piece, (mean, own) in zip(avg.pieces, pairs, strict=True):
+            flat[piece.offset : piece.offset + piece.numel] = mean.float()
+    return {"delta": flat, "group": result.group_size}
 
 
 def main() -> None:
@@ -38,22 +56,14 @@ def main() -> None:
     avg = ProbedAverager(
         dht,
         "harness",
-        NUMEL,
+        cut_pieces({"a": 1000, "b": NUMEL - 1000}),
         "float16",
         matchmaking_s=3.0,
         timeout_s=30.0,
         target_group_size=8,
         state_provider=lambda: ({}, []),
     )
-    delta, theta = vectors(index)
-    avg.start(delta, theta, weight, {"name": f"h{index}"})
-    while not avg.done():
-        time.sleep(0.05)
-    result = avg.result()
-    torch.save(
-        {"delta": result.delta, "theta": result.theta_sync, "group": result.group_size},
-        work / f"out{index}.pt",
-    )
+    torch.save(averaged_round(avg, vectors(index), weight, f"h{index}"), work / f"out{index}.pt")
     avg.shutdown()
     dht.shutdown()
 

@@ -109,22 +109,31 @@ class PeerSection:
     """Address this peer listens on."""
     port: int = 0
     """Port this peer listens on (0: any free port)."""
-    index: int = 0
-    """This peer's index, for its data slice and its name."""
+    index: int = -1
+    """This peer's index, for its data and its name (-1: drawn from the peer's own identity, so
+    any number of machines started alike each read their own batches)."""
     num_peers: int = 1
-    """Peers the data is split between (each reads its own slice)."""
-    sync_every: int = 20
-    """Local steps between averaging rounds (H)."""
+    """With an index: peers the data is split between (each reads its own slice)."""
+    sync_every: str = "auto"
+    """Local steps between averaging rounds (H), or `auto`: from the measured step and round
+    times, so a round finishes within the compute of the next interval."""
+    min_sync_every: int = 5
+    """Fewest local steps between rounds when `sync_every` is auto."""
+    max_sync_every: int = 500
+    """Most local steps between rounds when `sync_every` is auto."""
+    sync_mode: str = "async"
+    """`async`: rounds run while training goes on; `blocking`: synchronous DiLoCo, training
+    waits for each round (a baseline)."""
     outer_lr: float = 0.7
     """Learning rate of the outer Nesterov step (DiLoCo's default)."""
     outer_momentum: float = 0.9
     """Momentum of the outer Nesterov step."""
     compression: str = "float16"
-    """Compression of averaged updates: float16 or none."""
+    """Wire format of the averaged pseudo-gradient: float16, int8 (with error feedback) or none."""
     matchmaking_s: float = 3.0
     """Time a round waits to gather a group."""
     averaging_timeout_s: float = 30.0
-    """Longest a round may take before it counts as failed and training goes on alone."""
+    """Longest a round may take before it counts as failed (its progress goes with the next)."""
     state_timeout_s: float = 60.0
     """Longest a joiner waits for one download of the swarm's state (slow links need more)."""
     target_group_size: int = 16
@@ -141,6 +150,41 @@ class PeerSection:
     """Check every contribution and downloaded state; aggregate robustly (peer/robust.py)."""
     attack: str = ""
     """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale)."""
+
+    def __post_init__(self) -> None:
+        if self.sync_every != "auto":
+            try:
+                steps = int(self.sync_every)
+            except ValueError:
+                steps = 0
+            if steps < 1:
+                raise AtomError(
+                    f"peer.sync_every must be auto or a positive integer, got {self.sync_every!r}"
+                )
+        if not 1 <= self.min_sync_every <= self.max_sync_every:
+            raise AtomError("peer.min_sync_every must be at least 1 and at most max_sync_every")
+        if self.sync_mode not in ("async", "blocking"):
+            raise AtomError(f"peer.sync_mode must be async or blocking, got {self.sync_mode!r}")
+        if self.compression not in ("float16", "int8", "none"):
+            raise AtomError(
+                f"peer.compression must be float16, int8 or none, got {self.compression!r}"
+            )
+        if (
+            self.index < -1
+            or self.num_peers < 1
+            or (self.index >= 0 and self.index >= self.num_peers)
+        ):
+            raise AtomError(
+                f"peer.index ({self.index}) must be -1 (auto) or below peer.num_peers "
+                f"({self.num_peers})"
+            )
+        if self.target_group_size < 2:
+            raise AtomError("peer.target_group_size must be at least 2")
+
+    @property
+    def fixed_sync_every(self) -> int:
+        """H when set by hand, 0 when auto."""
+        return 0 if self.sync_every == "auto" else int(self.sync_every)
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
     bar = None
     try:
         if session.peer is not None:
-            session.peer.start(session.resumed_peer_state)
+            session.peer.start(session.resumed_peer_state, trainer.state)
         if args.serve is not None:
             from atomtrain.sched.beside import serve_beside_training
 

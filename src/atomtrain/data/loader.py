@@ -31,7 +31,8 @@ class LoaderConfig:
     peer_index: int = 0
     """This peer's index; enters the seed, and picks the slice when num_peers > 1."""
     num_peers: int = 1
-    """Split the training windows into this many disjoint slices, one per peer."""
+    """Split the training windows into this many disjoint slices, one per peer (0: no slices,
+    the index only seeds this peer's own draw over the whole split)."""
     prefetch: int = 2
     """Batches prepared ahead of the trainer by a background thread (0: none)."""
 
@@ -45,7 +46,7 @@ class WindowSampler:
         self._index = {
             s: self._valid_starts(shards.splits[s], cfg.seq_len) for s in ("train", "val")
         }
-        if not 0 <= cfg.peer_index < max(cfg.num_peers, 1):
+        if cfg.num_peers and not 0 <= cfg.peer_index < cfg.num_peers:
             raise AtomError(
                 f"peer.index ({cfg.peer_index}) must be below peer.num_peers ({cfg.num_peers})"
             )

@@ -18,18 +18,14 @@ def check_attack(kind: str) -> None:
         raise AtomError(f"--peer.attack must be one of {', '.join(ATTACKS)}, got {kind!r}")
 
 
-def poison(
-    kind: str, delta: torch.Tensor, theta_sync: torch.Tensor, initial: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pseudo-gradient, synchronized parameters) as the attacker sends them."""
+def poison(kind: str, delta: torch.Tensor) -> torch.Tensor:
+    """A piece of the pseudo-gradient as the attacker sends it. (`stale` changes what the
+    update is made from instead: the runtime computes it against the initial parameters.)"""
     if kind == "nan":  # not-a-number everywhere in the update
-        return torch.full_like(delta, float("nan")), theta_sync
+        return torch.full_like(delta, float("nan"))
     if kind == "scale":  # the honest update, a million times larger
-        return delta * 1e6, theta_sync
+        return delta * 1e6
     if kind == "noise":  # random noise a hundred times the size of an honest update
         rms = float(delta.pow(2).mean().sqrt()) or 1e-3
-        return torch.randn_like(delta) * (100 * rms), theta_sync
-    if kind == "stale":  # the model from the start of training, as if nothing had happened since
-        assert initial is not None
-        return torch.zeros_like(delta), initial.clone()
-    return delta, theta_sync
+        return torch.randn_like(delta) * (100 * rms)
+    return delta

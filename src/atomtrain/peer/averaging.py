@@ -1,17 +1,23 @@
-"""Background averaging with hivemind's DecentralizedAverager, and detection of partial rounds.
+"""Background averaging of the pseudo-gradient with hivemind's DecentralizedAverager, and
+detection of partial rounds.
 
-Each round averages two flat vectors, token-weighted: the pseudo-gradient (compressed, float16 by
-default) and the parameters at the last sync (uncompressed, which keeps peers' synchronized
-parameters together even after rounds some of them missed).
+A round carries one vector: each member's pseudo-gradient (parameters at the last sync minus
+parameters now), compressed on the wire (float16 by default, 8-bit as an option), averaged
+weighted by tokens. The synchronized parameters never travel in a round: members compare
+sketches of them (sync.py) and a member found out of sync downloads the swarm's state instead.
 
-hivemind splits the concatenated tensors into contiguous spans, one per group member; a member
-that dies mid-round leaves its span unaveraged on the survivors, with only a log line. So the
-vectors are cut into many chunks with a one-element *probe* after each. Every member writes its own
-random probe value and tells the group that value (all-gather); after the round every probe must
-equal the weighted mean of those values. A probe that does not lies in a span nobody averaged, and
-the whole round is discarded rather than applied half-averaged. hivemind retries a round whose
-all-reduce failed from tensors the failed attempt half-updated in place, so every attempt here
-restarts from the round's input.
+The vector is held as pieces (layout.py), each one averaged tensor followed by a one-element
+*probe*. hivemind splits the concatenated tensors into contiguous spans, one per group member; a
+member that dies mid-round leaves its span unaveraged on the survivors, with only a log line.
+Every member writes its own random probe value and tells the group that value (all-gather);
+after the round every probe must equal the weighted mean of those values. A probe that does not
+lies in a span nobody averaged, and the whole round is discarded rather than applied
+half-averaged.
+
+Memory: the averaged tensors hold the update in float16 (half the float32 model), and a second
+float16 copy keeps this member's own contribution: the runtime needs it to apply the round
+(error feedback), and hivemind retries a failed all-reduce from tensors it half-updated in place,
+so every attempt restarts from that copy. Both live in shared memory, read by hivemind's process.
 
 The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
 (robust.py).
@@ -19,11 +25,12 @@ The averager runs behind the swarm's gates (auth.py) and, when defended, reduces
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import multiprocessing as mp
 import queue
 import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
@@ -33,38 +40,55 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import Float16Compression, NoCompression, PerTensorCompression
+from hivemind.compression import (
+    Float16Compression,
+    NoCompression,
+    PerTensorCompression,
+    Uniform8BitQuantization,
+)
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
+from atomtrain.errors import AtomError
 from atomtrain.peer.auth import MemberGate
-from atomtrain.peer.robust import DELTA, PROBE, THETA, Defence, RobustRunner, capped_weights
+from atomtrain.peer.layout import Piece
+from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, capped_weights
+from atomtrain.peer.sync import in_sync_flags
 
 log = logging.getLogger(__name__)
 
-CHUNKS_PER_VECTOR = 32
+CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
+    # name: (hivemind codec, dtype of the held tensors, wire bytes per element)
+    "float16": (Float16Compression(), torch.float16, 2.0),
+    "int8": (Uniform8BitQuantization(), torch.float16, 1.0),
+    "none": (NoCompression(), torch.float32, 4.0),
+}
+
+
+def codec(name: str) -> tuple[Any, torch.dtype, float]:
+    if name not in CODECS:
+        raise AtomError(f"peer.compression must be one of {', '.join(CODECS)}, got {name!r}")
+    return CODECS[name]
 
 
 @dataclass
 class RoundResult:
-    delta: torch.Tensor
-    """Averaged pseudo-gradient (flat float32)."""
-    theta_sync: torch.Tensor
-    """Averaged parameters at the last sync (flat float32)."""
     group_size: int
     peers: list[dict[str, Any]]
-    """What each member told the group (name, tokens, round)."""
+    """What each member told the group (name, tokens, round, sketch...), in group order."""
+    own_index: int
+    in_sync: list[bool]
+    """Per member: holds the group's reference synchronized parameters (sync.py)."""
+
+    @property
+    def self_in_sync(self) -> bool:
+        return self.in_sync[self.own_index] if self.in_sync else True
 
 
 class RoundFailed(Exception):
     pass
-
-
-def _chunk_sizes(numel: int, chunks: int) -> list[int]:
-    chunks = max(1, min(chunks, numel))
-    return [numel * (i + 1) // chunks - numel * i // chunks for i in range(chunks)]
 
 
 class ProbedAverager:
@@ -74,7 +98,7 @@ class ProbedAverager:
         self,
         dht: DHT,
         prefix: str,
-        numel: int,
+        pieces: list[Piece],
         compression: str,
         matchmaking_s: float,
         timeout_s: float,
@@ -83,23 +107,20 @@ class ProbedAverager:
         gate: MemberGate | None = None,
         defence: Defence | None = None,
     ) -> None:
-        self.numel = numel
+        self.pieces = pieces
         self.timeout_s = timeout_s
-        sizes = _chunk_sizes(numel, CHUNKS_PER_VECTOR)
-        self.sizes = sizes
+        wire, dtype, self.wire_bytes_per_element = codec(compression)
         tensors: list[torch.Tensor] = []
+        inputs: list[torch.Tensor] = []
         codecs: list[Any] = []
-        fast = Float16Compression() if compression == "float16" else NoCompression()
-        for vector in range(2):  # 0: pseudo-gradient, 1: parameters at last sync
-            for n in sizes:
-                tensors.append(torch.zeros(n))
-                codecs.append(fast if vector == 0 else NoCompression())
-                tensors.append(torch.zeros(1))  # probe
-                codecs.append(NoCompression())
-        self._state_provider = state_provider
-        self.defence = defence
-        half = len(tensors) // 2
-        self.kinds = [PROBE if i % 2 else DELTA if i < half else THETA for i in range(len(tensors))]
+        for piece in pieces:
+            tensors += [torch.zeros(piece.numel, dtype=dtype), torch.zeros(1)]
+            inputs += [torch.zeros(piece.numel, dtype=dtype).share_memory_(), None]  # type: ignore[list-item]
+            codecs += [wire, NoCompression()]
+        self._probe_in = torch.zeros(1).share_memory_()
+        inputs = [t if t is not None else self._probe_in for t in inputs]
+        self._inputs = inputs
+        self.kinds = [PROBE if i % 2 else DELTA for i in range(len(tensors))]
         self._events: Any = mp.get_context("fork").Queue()
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
         self.averager = GuardedAverager(
@@ -108,6 +129,7 @@ class ProbedAverager:
             defence,
             self.kinds,
             self._events,
+            inputs,
             tensors,
             dht,
             prefix=prefix,
@@ -124,52 +146,43 @@ class ProbedAverager:
             declare_state_period=5.0,
             shutdown_timeout=3.0,
         )
+        self.defence = defence
         self._probe = 0.0
         self._control: Any = None
 
-    # --- writing and reading the flat vectors -----------------------------------------------
+    def held_bytes(self) -> int:
+        """Host bytes this averager holds for the round (averaged tensors and own copy)."""
+        with self.averager.get_tensors() as tensors:
+            held = sum(t.numel() * t.element_size() for t in tensors)
+        return held + sum(t.numel() * t.element_size() for t in self._inputs[::2])
 
-    def _write(
-        self, tensors: tuple, delta: torch.Tensor, theta_sync: torch.Tensor, probe: float
-    ) -> None:
-        pos, t = 0, 0
-        for vector in (delta, theta_sync):
-            pos = 0
-            for n in self.sizes:
-                tensors[t].copy_(vector[pos : pos + n])
-                tensors[t + 1].fill_(probe)
-                pos, t = pos + n, t + 2
-
-    def _read(self, tensors: tuple) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
-        vectors = [torch.empty(self.numel), torch.empty(self.numel)]
-        probes, t = [], 0
-        for vector in vectors:
-            pos = 0
-            for n in self.sizes:
-                vector[pos : pos + n].copy_(tensors[t])
-                probes.append(float(tensors[t + 1]))
-                pos, t = pos + n, t + 2
-        return vectors[0], vectors[1], probes
+    def wire_bytes(self, group_size: int) -> float:
+        """Bytes a member sends (and as many receives) in a round of `group_size`: its vector
+        minus the span it reduces itself, then the averages of that span to each other member."""
+        numel = sum(p.numel for p in self.pieces)
+        share = (group_size - 1) / max(group_size, 1)
+        return share * numel * self.wire_bytes_per_element
 
     # --- a round ------------------------------------------------------------------------------
 
     def start(
-        self, delta: torch.Tensor, theta_sync: torch.Tensor, weight: float, info: dict[str, Any]
+        self,
+        write: Callable[[Piece, torch.Tensor], None],
+        weight: float,
+        info: dict[str, Any],
+        wait: bool = False,
     ) -> None:
+        """`write(piece, out)` fills `out` with this member's contribution for the piece."""
         assert self._control is None, "a round is already running"
         self._probe = random.uniform(1.0, 2.0)
+        self._probe_in.fill_(self._probe)
         with self.averager.get_tensors() as tensors:
-            self._write(tensors, delta, theta_sync, self._probe)
-        rms = float(delta.double().pow(2).mean().sqrt()) if delta.numel() else 0.0
-        self._theta_in = theta_sync.detach().float().clone()
-        self._theta_digest = _digest(self._theta_in)
-        gather = {
-            **info,
-            "probe": self._probe,
-            "weight": weight,
-            "rms": rms,
-            "theta_digest": self._theta_digest,
-        }
+            for i, piece in enumerate(self.pieces):
+                own = self._inputs[2 * i]
+                write(piece, own)
+                tensors[2 * i].copy_(own)
+                tensors[2 * i + 1].fill_(self._probe)
+        gather = {**info, "probe": self._probe, "weight": weight}
         self._control = self.averager.step(
             wait=False, weight=max(weight, 1e-6), timeout=self.timeout_s, gather=gather
         )
@@ -187,9 +200,8 @@ class ProbedAverager:
             self._control = None
 
     def result(self) -> RoundResult:
-        """The finished round's averages; RoundFailed when there was no group, the round broke,
-        a reducer sent back bad averages, or a probe shows part of the vectors was never
-        averaged."""
+        """The finished round; RoundFailed when there was no group, the round broke, a reducer
+        sent back bad averages, or a probe shows part of the vector was never averaged."""
         control, self._control = self._control, None
         try:
             gathered = control.result(timeout=0)
@@ -198,16 +210,17 @@ class ProbedAverager:
         if not gathered:
             raise RoundFailed("no group formed")
         peers = [g for g in gathered.values() if isinstance(g, dict)]
+        if len(peers) != len(gathered):
+            raise RoundFailed("a group member sent malformed round metadata")
+        own_id = self.averager.peer_id
+        ids = list(gathered)
         for peer_id, g in gathered.items():
-            if isinstance(g, dict):
-                self.names[peer_id.to_base58()] = str(g.get("name", ""))[:64]
+            self.names[peer_id.to_base58()] = str(g.get("name", ""))[:64]
         try:
             weights = [float(g["weight"]) for g in peers]
             probes = [float(g["probe"]) for g in peers]
         except (KeyError, TypeError, ValueError):
             raise RoundFailed("a group member sent malformed round metadata") from None
-        if len(peers) != len(gathered):
-            raise RoundFailed("a group member sent malformed round metadata")
         if self.defence is not None:
             weights = capped_weights(weights, self.defence.weight_cap)
         total = sum(weights)
@@ -215,25 +228,21 @@ class ProbedAverager:
             raise RoundFailed("a group member sent malformed round metadata")
         expected = sum(w * p for w, p in zip(weights, probes, strict=True)) / total
         with self.averager.get_tensors() as tensors:
-            delta, theta_sync, seen = self._read(tensors)
-        bad = [i for i, p in enumerate(seen) if not abs(p - expected) <= 1e-5 * abs(expected)]
+            seen = [float(t) for t in tensors[1::2]]
+        bad = [p for p in seen if not abs(p - expected) <= 1e-5 * abs(expected)]
         if bad:
             raise RoundFailed(
                 f"partial round: {len(bad)} of {len(seen)} probes unaveraged "
                 f"(a group member left mid-round or sent bad averages); discarded"
             )
-        finite = bool(torch.isfinite(delta).all()) and bool(torch.isfinite(theta_sync).all())
-        if self.defence is not None and not finite:
-            raise RoundFailed("the averages hold non-finite values; discarded")
-        if self.defence is not None and self._in_sync(peers):
-            # most of the group holds our synchronized parameters bit for bit, so their average
-            # is ours: no reducer (an honest one would agree) gets to move them
-            theta_sync = self._theta_in
-        return RoundResult(delta, theta_sync, len(peers), peers)
+        return RoundResult(len(peers), peers, ids.index(own_id), membership(peers))
 
-    def _in_sync(self, peers: list[dict[str, Any]]) -> bool:
-        same = sum(1 for g in peers if g.get("theta_digest") == self._theta_digest)
-        return same * 2 > len(peers)
+    @contextmanager
+    def averaged(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(group average, own contribution) per piece, while no round runs."""
+        assert self._control is None
+        with self.averager.get_tensors() as tensors:
+            yield [(tensors[2 * i], self._inputs[2 * i]) for i in range(len(self.pieces))]
 
     def rejections(self) -> list[tuple[str, str]]:
         """(peer, why) for each member the averager rejected since the last call, by name when a
@@ -246,20 +255,25 @@ class ProbedAverager:
                 return out
             out.append((self.names.get(peer_id) or peer_id, why))
 
-    def download_state(self, timeout_s: float) -> tuple[dict, list[torch.Tensor]] | None:
-        out = self.averager.load_state_from_peers(timeout=timeout_s)
-        if out is None:
-            return None
-        metadata, tensors = out
-        return metadata, list(tensors)
+    def download_state(self, timeout_s: float, wait: bool = True) -> Any:
+        """(metadata, tensors) from the most advanced peer, or None; with wait=False, a future
+        of that."""
+        return self.averager.load_state_from_peers(wait=wait, timeout=timeout_s)
 
     def shutdown(self) -> None:
         self.cancel()
         self.averager.shutdown()
 
 
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.blake2b(t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+def membership(peers: list[dict[str, Any]]) -> list[bool]:
+    """In-sync flags from the round's metadata; everyone in sync when sketches are missing."""
+    try:
+        sketches = [[float(x) for x in g["sketch"]] for g in peers]
+        sizes = [float(g["update_size"]) for g in peers]
+        rounds = [int(g["round"]) for g in peers]
+    except (KeyError, TypeError, ValueError):
+        return [True] * len(peers)
+    return in_sync_flags(sketches, sizes, rounds)
 
 
 def _finite(x: float) -> bool:
@@ -281,11 +295,12 @@ class GuardedAverager(DecentralizedAverager):
         defence: Defence | None,
         kinds: list[str],
         events: Any,
+        inputs: list[torch.Tensor],
         *args: Any,
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._kinds, self._events = kinds, events
+        self._kinds, self._events, self._inputs = kinds, events, inputs
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):
@@ -327,10 +342,6 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         self._guard_leaders()
-        # hivemind retries a step whose all-reduce failed, starting from tensors the failed
-        # attempt already half-updated in place: keep this round's input to restart from it
-        with self.get_tensors() as tensors:
-            self._round_input = [t.detach().clone() for t in tensors]
         return await super()._step(step=step, future_for_init=future_for_init)
 
     def _guard_leaders(self) -> None:
@@ -357,35 +368,33 @@ class GuardedAverager(DecentralizedAverager):
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
-        for tensor, original in zip(tensors, getattr(self, "_round_input", ()), strict=False):
+        for tensor, original in zip(tensors, self._inputs, strict=True):
             tensor.copy_(original)  # every attempt of a round starts from the round's input
         if self._defence is None:
             return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         group_id = group_info.group_id if group_id is None else group_id
-        weights, reported, digests = [], [], []
+        users: list[dict[str, Any]] = []
         for blob in group_info.gathered:
             try:
                 user = self.serializer.loads(self.serializer.loads(blob)[2])
-                weights.append(float(user["weight"]))
-                reported.append(float(user.get("rms", float("nan"))))
-                digests.append(str(user.get("theta_digest", "")))
+                users.append(user if isinstance(user, dict) else {})
             except Exception:  # malformed metadata: the probe check discards the round
-                weights.append(float("nan"))
-                reported.append(float("nan"))
-                digests.append("")
-        majority = max(set(digests), key=digests.count)
-        in_sync = (
-            {p: d == majority for p, d in zip(group_info.peer_ids, digests, strict=True)}
-            if majority and digests.count(majority) * 2 > len(digests)
-            else None
-        )
-        capped = capped_weights(weights, self._defence.weight_cap)
+                users.append({})
+        weights = [_number(u.get("weight")) for u in users]
+        reported = [_number(u.get("rms")) for u in users]
+        flags = membership(users)
         runner = RobustRunner(
             kinds=self._kinds,
-            weights=dict(zip(group_info.peer_ids, capped, strict=True)),
+            weights=dict(
+                zip(
+                    group_info.peer_ids,
+                    capped_weights(weights, self._defence.weight_cap),
+                    strict=True,
+                )
+            ),
             reported_rms=dict(zip(group_info.peer_ids, reported, strict=True)),
             banned=set(self._gate.banned),
-            in_sync=in_sync,
+            in_sync=dict(zip(group_info.peer_ids, flags, strict=True)),
             defence=self._defence,
             on_reject=self._reject,
             p2p=self._p2p,
@@ -398,6 +407,13 @@ class GuardedAverager(DecentralizedAverager):
         )
         self._running_groups[group_id].set_result(runner)
         async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update, alpha=self._averaging_alpha)
+            tensor.add_(update.to(tensor.dtype), alpha=self._averaging_alpha)
         self.last_updated = get_dht_time()
         self._state_updated.set()
+
+
+def _number(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")

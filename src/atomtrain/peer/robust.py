@@ -7,14 +7,11 @@ its *own* part (it trusts only itself) and against the size an honest contributi
 
 - a part with non-finite values is dropped;
 - a pseudo-gradient part farther from ours than `clip` typical sizes is pulled back onto that
-  bound (centered clipping); beyond `reject` sizes it is dropped. The synchronized parameters, on
-  which honest members agree up to a few missed outer steps, get the looser `theta_*` bounds and,
-  with three or more members, their coordinate-wise median;
+  bound (centered clipping); beyond `reject` sizes it is dropped;
 - weights (tokens) are capped at `weight_cap` times the group's lower median weight;
-- when most members report the same synchronized parameters (a digest in the round's metadata),
-  updates of the others are left out (they were made from other parameters: a stale model), and
-  a member that claims the majority's parameters but sends others is rejected. Those in the
-  majority then keep their own synchronized parameters (averaging.py).
+- updates of members whose synchronized parameters differ from the group's reference (sketches
+  in the round's metadata, sync.py) are left out: they were made from other parameters (a stale
+  model). Such a member is not banned: it downloads the swarm's state and takes part again.
 
 A member whose part is dropped is *rejected*: named to the peer (and so in its log and status) and
 banned: the gates refuse it from then on, and its data in any later group is dropped. Probe
@@ -38,7 +35,9 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import PeerID
 
-DELTA, THETA, PROBE = "delta", "theta", "probe"
+from atomtrain.peer.sync import lower_median
+
+DELTA, PROBE = "delta", "probe"
 MIN_WEIGHT = 1e-6
 
 
@@ -50,10 +49,6 @@ class Defence:
     """Pseudo-gradient parts farther than this many typical updates from ours are clipped."""
     reject: float = 20.0
     """...and beyond this many, dropped, and their sender banned."""
-    theta_clip: float = 30.0
-    """The same for the synchronized parameters, which honest peers hold equal up to the few
-    outer steps a missed round leaves between them."""
-    theta_reject: float = 200.0
     min_scale: float = 0.0
     """Smallest typical update (RMS), so a peer whose own update is near zero (its last round
     right after a sync) does not take honest peers' updates for outliers."""
@@ -69,23 +64,16 @@ def capped_weights(weights: Sequence[float], cap: float) -> list[float]:
     return [max(MIN_WEIGHT, min(w, cap * median)) for w in clean]
 
 
-def lower_median(values: Sequence[float]) -> float:
-    ok = sorted(v for v in values if math.isfinite(v) and v >= 0)
-    return ok[(len(ok) - 1) // 2] if ok else 0.0
-
-
 @dataclass(frozen=True)
 class Typical:
     """How large (RMS per element) an honest contribution is expected to be this round.
 
     An update grows with the tokens behind it, so each member's typical update is the group's
     typical update *per token* (the lower median of what members report: one cannot inflate it)
-    times the member's capped tokens. The synchronized parameters of honest members differ by
-    about one round's update."""
+    times the member's capped tokens."""
 
     delta: dict[int, float]
     """Per sender index."""
-    theta: float
 
     @classmethod
     def of(
@@ -94,18 +82,11 @@ class Typical:
         per_token = lower_median([r / w for r, w in zip(reported_rms, weights, strict=True)])
         median_w = lower_median(list(weights)) or 1.0
         per_token = max(per_token, min_scale / median_w)
-        return cls({i: per_token * w for i, w in enumerate(weights)}, per_token * median_w)
+        return cls({i: per_token * w for i, w in enumerate(weights)})
 
     def delta_bound(self, i: int, own: int) -> float:
         """Distance between two honest updates: at most about the sum of their sizes."""
         return self.delta[i] + self.delta[own]
-
-
-def limits(defence: Defence, kind: str) -> tuple[float, float]:
-    """(clip, reject) factors for a kind of part."""
-    if kind == THETA:
-        return defence.theta_clip, defence.theta_reject
-    return defence.clip, defence.reject
 
 
 def bound(scale: float, numel: int, factor: float) -> float:
@@ -192,29 +173,18 @@ class RobustReducer(TensorPartReducer):
                 continue
             if self.dropped[i]:
                 continue
-            if (
-                kind == THETA
-                and self.in_sync
-                and self.in_sync[i]
-                and self.in_sync[own_i]
-                and not torch.equal(x, own)
-            ):
-                self._reject(i, "claims the group's synchronized parameters, sends others")
-                continue
             if not bool(torch.isfinite(x).all()):
                 self._reject(i, "non-finite values")
                 continue
             r = x - own
             norm = float(r.norm())
-            clip, reject = limits(self.defence, kind)
-            scale = self.typical.theta if kind == THETA else self.typical.delta_bound(i, own_i)
+            clip, reject = self.defence.clip, self.defence.reject
+            scale = self.typical.delta_bound(i, own_i)
             if norm > bound(scale, x.numel(), reject):
                 self._reject(i, f"{kind} {norm / bound(scale, x.numel(), 1):.3g}x typical")
                 continue
             tau = bound(scale, x.numel(), clip)
             kept.append((i, own + r * (tau / norm) if norm > tau else x))
-        if kind == THETA and len(kept) >= 3:  # honest peers agree on it: one outlier cannot move it
-            return torch.stack([x for _, x in kept]).median(dim=0).values
         return self._mean(kept, shape)
 
     def _mean(self, items, shape: torch.Size) -> torch.Tensor:
@@ -286,14 +256,12 @@ class RobustRunner(AllReduceRunner):
         """`delta` is the reducer's average minus our own part."""
         kind = self._kinds_by_peer[peer_index][part_index]
         norm = float(delta.norm())
-        if kind == THETA:
-            scale = self.typical.theta
-        else:  # an average of updates is no farther from ours than the largest one
-            scale = max(self.typical.delta.values()) + self.typical.delta[self._own_sender]
+        # an average of updates is no farther from ours than the largest one
+        scale = max(self.typical.delta.values()) + self.typical.delta[self._own_sender]
         typical = bound(scale, delta.numel(), 1.0)
         if not bool(torch.isfinite(delta).all()):
             why = "non-finite averages"
-        elif kind != PROBE and norm > typical * limits(self.defence, kind)[1]:
+        elif kind != PROBE and norm > typical * self.defence.reject:
             why = f"{kind} averages {norm / typical:.3g}x typical"
         else:
             return

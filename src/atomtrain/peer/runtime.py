@@ -1,17 +1,27 @@
 """One peer of a swarm: local steps as usual, and every H steps a background averaging round.
 
 A round averages the pseudo-gradient (parameters at the last sync minus parameters now) with
-whoever is present, weighted by the tokens each processed since its last round, and applies
-DiLoCo's outer Nesterov step. The round runs in hivemind's processes while local training goes
-on; when it lands, the peer moves to the new synchronized parameters *plus* the local progress it
-made meanwhile, so no local step ever waits for the network and none is lost. A round that finds
-no group, breaks, or comes back partly averaged is applied as a round of one (own pseudo-gradient
-only, never a half-averaged vector).
+whoever is present, weighted by the tokens each processed since its last applied round, and
+applies DiLoCo's outer Nesterov step (rounds.py). The round runs in hivemind's processes while
+local training goes on; when it lands, the peer moves to the new synchronized parameters *plus*
+the local progress it made meanwhile. Local steps never wait for the network: a round is only
+polled between steps, and nothing on the training thread asks the DHT.
+
+A round that finds no group, breaks, or comes back partly averaged changes nothing: the progress
+stays in the model and the next round's pseudo-gradient carries it (never applied alone and then
+averaged in by others too). A peer whose synchronized parameters differ from its group's
+(sync.py: it missed a round, or resumed from an old checkpoint) downloads the swarm's state in the
+background and moves to it, keeping its local progress.
+
+H is `peer.sync_every`, or with `auto` chosen from the measured step time and round time so a
+round finishes within the compute of the next interval; members of a round all take the group's
+largest proposal, so they stay in phase.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import subprocess
 import threading
 import time
@@ -26,9 +36,13 @@ from atomtrain.errors import AtomError
 from atomtrain.peer.attack import check_attack, poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, declare_member, load_swarm_key
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed, RoundResult
+from atomtrain.peer.finish import Finisher
 from atomtrain.peer.hygiene import start_watchdog
+from atomtrain.peer.layout import Sketcher, assign, cut_pieces, digest, flatten
 from atomtrain.peer.outer import OuterNesterov
-from atomtrain.peer.robust import Defence, lower_median
+from atomtrain.peer.robust import Defence
+from atomtrain.peer.rounds import Contribution, apply_outer_step, move_to, write_contribution
+from atomtrain.peer.state import StateCheck
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.train.runner import StepRunner
 from atomtrain.train.trainer import TrainState
@@ -39,9 +53,11 @@ logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 # ...and its DHT requests that time out on a slow link surface as unretrieved asyncio errors.
 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
-PUBLISH_EVERY_S = 1.0
-LINGER_S = 10.0
-FIRST_ROUND_AFTER_STEPS = 3
+PUBLISH_EVERY_S = 2.0
+FIRST_SYNC_EVERY = 10
+"""Local steps before the first round when H is auto (nothing measured yet)."""
+AUTO_MARGIN = 1.25
+"""With H auto, the next interval's compute is this many times the measured round time."""
 MIN_SCALE_STEPS = 1.0
 """A typical update moves an element (RMS) at least as far as this many AdamW steps at the peak
 learning rate (each moves an element by up to about lr), so a peer whose own update is tiny still
@@ -55,13 +71,6 @@ def _reap(process: Any) -> None:
         log.debug("%s ignored its shutdown; killing it", type(process).__name__)
         process.kill()
         process.join(timeout=2.0)
-
-
-def digest(flat: torch.Tensor) -> str:
-    """Short fingerprint of a flat parameter vector, for logs that tests compare."""
-    import hashlib
-
-    return hashlib.sha256(flat.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 class PeerRuntime:
@@ -81,54 +90,50 @@ class PeerRuntime:
         self.total_steps = total_steps
         self.run_dir = run_dir
         params = runner.host_parameters()
-        self.names = sorted(params)
-        self.numel = sum(params[n].numel() for n in self.names)
-        self.theta_sync = self._flat()
+        self.pieces = cut_pieces({n: p.numel() for n, p in params.items()})
+        self.numel = sum(p.numel for p in self.pieces)
+        self.theta_sync = flatten(params, self.pieces)
+        self.sketcher = Sketcher(self.numel)
+        self._sketch = self.sketcher.of(self.theta_sync)
+        self.init_digest = digest(self.theta_sync)
         check_attack(cfg.attack)
         self._initial = self.theta_sync.clone() if cfg.attack == "stale" else None
         self.key = load_swarm_key(cfg.swarm_key)
         self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
+        self.lock = threading.Lock()  # theta_sync, momentum, round: training vs state serving
         self.round = 0
         self.failed_rounds = 0
         self.round_tokens = 0
         self.steps_since_round = 0
-        self.snapshot: torch.Tensor | None = None
+        self.sync_every = cfg.fixed_sync_every or FIRST_SYNC_EVERY
+        self._proposal = self.sync_every
+        self._step_s = 0.0
+        self._last_step_at = 0.0
+        self._round_started = 0.0
+        self.last_round_s = 0.0
         self._final = False
-        self._finishing = False
-        self._done = False
+        self._resync: Any = None
         self.last_sync = 0.0
         self.first_contribution_s: float | None = None
         import psutil
 
         self.started_at = psutil.Process().create_time()  # joining time counts from launch
         self._step = 0
+        self._schedule_step = 0
         self._last_loss = float("nan")
         self._tokens_per_s = 0.0
         self.dht: DHT | None = None
         self.averager: ProbedAverager | None = None
         self.watchdog: subprocess.Popen | None = None
-
-    # --- flat views of the host parameters ------------------------------------------------------
-
-    def _flat(self) -> torch.Tensor:
-        params = self.runner.host_parameters()
-        return torch.cat([params[n].detach().reshape(-1).float().cpu() for n in self.names])
-
-    @torch.no_grad()
-    def _assign(self, flat: torch.Tensor) -> None:
-        params = self.runner.host_parameters()
-        pos = 0
-        for n in self.names:
-            p = params[n]
-            p.copy_(flat[pos : pos + p.numel()].view_as(p).to(p))
-            pos += p.numel()
+        self.finisher = Finisher(self)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, resumed: dict[str, Any] | None) -> None:
+    def start(self, resumed: dict[str, Any] | None, state: TrainState | None = None) -> None:
         """Join the swarm: start the DHT and averager, then take the swarm's state if needed."""
         self.joined_at = time.time()  # joining begins: the DHT starts
+        self.train_state = state or TrainState()
         self.watchdog = start_watchdog()
         initial = [a.strip() for a in self.cfg.join.split(",") if a.strip()]
         if self.key is None:
@@ -139,8 +144,43 @@ class PeerRuntime:
             )
         else:
             log.info("swarm key %s: only peers holding it take part", self.key.fingerprint())
+        self.dht = self._start_dht(initial)
+        declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id, wait=True)
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.averager = ProbedAverager(
+            self.dht,
+            f"{self.cfg.swarm}_avg",
+            self.pieces,
+            self.cfg.compression,
+            self.cfg.matchmaking_s,
+            self.cfg.averaging_timeout_s,
+            self.cfg.target_group_size,
+            self._shared_state,
+            MemberGate(self.key, self.cfg.swarm),
+            Defence(min_scale=self.lr * MIN_SCALE_STEPS) if self.cfg.defend else None,
+        )
+        self.checker = StateCheck(self)
+        if resumed is not None:
+            self._load(resumed["meta"], resumed["tensors"], mode="resume")
+            log.info("resumed at round %d from the checkpoint", self.round)
+        if initial:
+            self._catch_up()
+        self._publish(self.train_state.step)
+        self._write_addrs()
+        self._stop_publishing = threading.Event()
+        self._publisher = threading.Thread(
+            target=self._publish_loop, daemon=True, name="atom-status"
+        )
+        self._publisher.start()
+        self._wait_for_peers()
+        log.info(
+            "averaging holds %.2fx the float32 model in host memory",
+            self.averaging_memory_ratio(),
+        )
+
+    def _start_dht(self, initial: list[str]) -> DHT:
         try:
-            self.dht = DHT(
+            return DHT(
                 initial_peers=initial,
                 host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
                 start=True,
@@ -153,35 +193,18 @@ class PeerRuntime:
                     "another key, or none? is a peer running at --join?)"
                 ) from None
             raise AtomError(f"cannot start the swarm ({type(e).__name__}: {e})") from None
-        declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id, wait=True)
-        self.averager = ProbedAverager(
-            self.dht,
-            f"{self.cfg.swarm}_avg",
-            self.numel,
-            self.cfg.compression,
-            self.cfg.matchmaking_s,
-            self.cfg.averaging_timeout_s,
-            self.cfg.target_group_size,
-            self._shared_state,
-            MemberGate(self.key, self.cfg.swarm),
-            Defence(min_scale=self.lr * MIN_SCALE_STEPS) if self.cfg.defend else None,
-        )
-        if resumed is not None:
-            self._load(resumed["meta"], resumed["tensors"])
-            log.info("resumed at round %d from the checkpoint", self.round)
-        if initial:
-            self._catch_up()
-        self._write_addrs()
-        self._stop_publishing = threading.Event()
-        self._publisher = threading.Thread(
-            target=self._publish_loop, daemon=True, name="atom-status"
-        )
-        self._publisher.start()
-        self._wait_for_peers()
+
+    def averaging_memory_ratio(self) -> float:
+        """Host memory held for averaging, as a multiple of the float32 model: synchronized
+        parameters, outer momentum, and the averager's tensors (averaging.py)."""
+        assert self.averager is not None
+        held = self.theta_sync.numel() * 4 + self.outer.buf.numel() * 4
+        held += self.averager.held_bytes()
+        return held / (4 * self.numel)
 
     def _publish_loop(self) -> None:
-        """Publishes every second from its own thread, so a peer stays visibly alive while its
-        main thread waits (for a round, or for the others at the end)."""
+        """Publishes from its own thread, so a peer stays visibly alive while its main thread
+        waits (for a round, or for the others at the end)."""
         while not self._stop_publishing.wait(PUBLISH_EVERY_S):
             try:
                 self._publish(self._step)
@@ -206,26 +229,35 @@ class PeerRuntime:
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.addrs = addrs
         (self.run_dir / "peer.json").write_text(
-            __import__("json").dumps({"name": self.name, "addrs": addrs})
+            __import__("json").dumps({"name": self.name, "addrs": addrs, "peer_id": self.peer_id})
         )
         log.info("peer %s listening; others join with --join %s", self.name, addrs[0])
 
     def _catch_up(self) -> None:
-        """Download the swarm's state when this peer is new or behind."""
+        """A joiner takes the swarm's state unless it already holds it: a fresh swarm (every peer
+        at round 0 with the parameters this peer built from the same seed) needs no download."""
         assert self.dht is not None and self.averager is not None
-        swarm_round = self._swarm_round()
+        statuses = self._statuses_of_others(wait_s=10.0)
+        swarm_round = self.checker.swarm_round(statuses)
         if self.round > 0 and self.round >= swarm_round:
+            return
+        fresh = [s for s in statuses if s.round == 0 and s.init_digest == self.init_digest]
+        if self.round == 0 and swarm_round == 0 and fresh:
+            log.info(
+                "fresh swarm: %s holds the same initial parameters (%s); no download",
+                fresh[0].name,
+                self.init_digest,
+            )
             return
         for _ in range(6):  # a fresh swarm may not have declared its state yet
             state = self.averager.download_state(timeout_s=self.cfg.state_timeout_s)
-            problem = "no peer shared it" if state is None else self._state_problem(*state)
+            problem = self.checker.problem(state, min_round=swarm_round - 1)
             if problem is None:
-                assert state is not None
-                self._load(*state)
+                self._load(state[0], list(state[1]), mode="replace")
                 log.info(
                     "joined at round %d with the swarm's parameters (parameters %s)",
                     self.round,
-                    digest(self._flat()),
+                    digest(self.theta_sync),
                 )
                 return
             if state is not None:
@@ -233,107 +265,226 @@ class PeerRuntime:
             time.sleep(1.0)
         log.warning("no peer shared a valid state; starting from this peer's own parameters")
 
-    def _swarm_round(self) -> int:
-        """The round most live peers are at (the median: one peer cannot claim a false one)."""
+    def _statuses_of_others(self, wait_s: float) -> list[PeerStatus]:
         assert self.dht is not None
-        return int(lower_median([s.round for s in read_statuses(self.dht, self.cfg.swarm)]))
-
-    def _state_problem(self, meta: Any, tensors: list[torch.Tensor]) -> str | None:
-        """Why a downloaded state must not be used, or None when it passes every check."""
-        if not isinstance(meta, dict) or not isinstance(meta.get("round"), int):
-            return "malformed metadata"
-        if len(tensors) != 2:
-            return f"{len(tensors)} tensors instead of 2"
-        for t in tensors:
-            if t.dtype != torch.float32 or t.shape != (self.numel,):
-                return f"a tensor of {t.dtype} {tuple(t.shape)}, expected float32 ({self.numel},)"
-            if not bool(torch.isfinite(t).all()):
-                return "non-finite values"
-        if self.cfg.defend and meta["round"] < self._swarm_round() - 1:
-            return f"the serving peer is behind (round {meta['round']})"
-        return None
+        deadline = time.time() + wait_s
+        while True:
+            others = [s for s in read_statuses(self.dht, self.cfg.swarm) if s.name != self.name]
+            if others or time.time() > deadline:
+                return others
+            time.sleep(0.25)
 
     def _shared_state(self) -> tuple[dict, list[torch.Tensor]]:
-        """What a joiner downloads: the synchronized parameters, outer momentum and round."""
-        theta, momentum = self.theta_sync.clone(), self.outer.buf.clone()
-        log.info("served the state of round %d (parameters %s)", self.round, digest(theta))
-        return {"round": self.round, "numel": self.numel}, [theta, momentum]
+        """What a joiner downloads: synchronized parameters, outer momentum, round, schedule."""
+        with self.lock:
+            theta, momentum = self.theta_sync.clone(), self.outer.buf.clone()
+            meta = {"round": self.round, "numel": self.numel, "step": self._schedule_step}
+        log.info("served the state of round %d (parameters %s)", meta["round"], digest(theta))
+        return meta, [theta, momentum]
 
-    def _load(self, meta: dict, tensors: list[torch.Tensor]) -> None:
+    def _load(self, meta: dict, tensors: list[torch.Tensor], mode: str) -> None:
+        """Take a state. `resume`: a checkpoint's (the model is already loaded); `replace`: a
+        download the model moves to (joining, or the last round's result); `resync`: a download
+        the model moves to keeping the local progress it made since its own last sync."""
         if len(tensors) != 2 or any(t.numel() != self.numel for t in tensors):
             raise AtomError("peer state does not match this model's parameters")
-        self.theta_sync = tensors[0].float().clone()
-        self.outer.buf = tensors[1].float().clone()
-        self.round = int(meta["round"])
-        self._assign(self.theta_sync)
+        params = self.runner.host_parameters()
+        with self.lock:
+            new = tensors[0].float().reshape(-1)
+            if mode == "resync":
+                move_to(params, self.pieces, self.theta_sync, new)
+            else:
+                self.theta_sync.copy_(new)
+            if mode == "replace":
+                assign(params, self.pieces, self.theta_sync)
+            self.outer.buf.copy_(tensors[1].float().reshape(-1))
+            self.round = int(meta["round"])
+            self._sketch = self.sketcher.of(self.theta_sync)
+        if "step" in meta and self.train_state is not None:
+            # the learning-rate schedule follows the swarm's progress, not this peer's steps
+            self.train_state.schedule_offset = int(meta["step"]) - self.train_state.step
+        if self.averager is not None:  # joiners ask the most advanced peer first
+            self.averager.averager.state_sharing_priority = float(self.round)
 
     def extra_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """For checkpoints: round counter, synchronized parameters, outer momentum."""
-        return (
-            {"peer_round": self.round},
-            {"peer/theta_sync": self.theta_sync.clone(), "peer/momentum": self.outer.buf},
-        )
+        with self.lock:
+            return (
+                {"peer_round": self.round},
+                {
+                    "peer/theta_sync": self.theta_sync.clone(),
+                    "peer/momentum": self.outer.buf.clone(),
+                },
+            )
 
     # --- rounds ---------------------------------------------------------------------------------
 
     def after_step(self, state: TrainState, record: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if self._last_step_at:  # wall time per step, evaluation and rounds included
+            dt = now - self._last_step_at
+            self._step_s = dt if not self._step_s else 0.8 * self._step_s + 0.2 * dt
+        self._last_step_at = now
+        self.train_state = state
         self.steps_since_round += 1
         self.round_tokens += int(record.get("tokens_step", 0))
         self._last_loss = float(record["loss"])
         self._tokens_per_s = float(record.get("tokens_per_s", 0.0))
-        self._poll(record, wait=False)
-        last = state.step >= self.total_steps
-        if last and self.cfg.final_sync:
-            self._final_round(record)
-        elif (
+        self._step = state.step
+        self._schedule_step = state.step + state.schedule_offset
+        self._poll_resync(record)
+        self._poll(record, wait=self.cfg.sync_mode == "blocking")
+        if state.step >= self.total_steps and self.cfg.final_sync:
+            self.finisher.final_round(record)
+        elif self._may_start_round():
+            self._start_round()
+            if self.cfg.sync_mode == "blocking":  # synchronous DiLoCo: wait for the round
+                self._poll(record, wait=True)
+        self._note_rejections(record)
+        record["round"] = self.round
+        record["sync_every"] = self.sync_every
+
+    def _may_start_round(self) -> bool:
+        return (
             self.averager is not None
             and not self.averager.running
-            and self.steps_since_round >= self._next_round_after()
-        ):
-            self._start_round()
-        record["round"] = self.round
-        self._step = state.step
-
-    def _next_round_after(self) -> int:
-        """Local steps before the next round: a newcomer contributes after a few steps rather
-        than a whole period, so joining pays off sooner."""
-        if self.first_contribution_s is None:
-            return min(self.cfg.sync_every, FIRST_ROUND_AFTER_STEPS)
-        return self.cfg.sync_every
+            and self._resync is None
+            and self.steps_since_round >= self.sync_every
+        )
 
     def _start_round(self) -> None:
         assert self.averager is not None
-        theta = self._flat()
-        self.snapshot = theta
-        delta = self.theta_sync - theta
-        delta, sync = poison(self.cfg.attack, delta, self.theta_sync, self._initial)
+        params = self.runner.host_parameters()
+        theta = self._initial if self._initial is not None else self.theta_sync
+        stats = Contribution()
+        attack = self.cfg.attack
+        transform = (lambda d: poison(attack, d)) if attack else None
+
+        def write(piece, out):
+            write_contribution(params, theta, piece, out, self.sketcher, stats, transform)
+
+        sketch = self._sketch if self._initial is None else self.sketcher.of(self._initial)
         self.averager.start(
-            delta,
-            sync,
+            write,
             float(self.round_tokens),
-            {"name": self.name, "round": self.round, "tokens": self.round_tokens},
+            {
+                "name": self.name,
+                "round": self.round,
+                "tokens": self.round_tokens,
+                "rms": stats.rms(self.numel),
+                "sketch": sketch,
+                "update_size": stats.size(),
+                "sync_every": self._proposal,
+            },
         )
-        self._round_started = time.time()
-        self.steps_since_round = 0
-        self.round_tokens = 0
+        self._round_started = time.perf_counter()
+        self._round_steps = self.steps_since_round
+        self._round_tokens = self.round_tokens
 
     def _poll(self, record: dict[str, Any], wait: bool) -> None:
         av = self.averager
         if av is None or not av.running:
             return
+        while wait and not av.done():
+            time.sleep(0.01)
+        if not av.done():
+            return
         try:
-            self._poll_round(av, record, wait)
-        finally:
-            self._note_rejections(record)
+            result = av.result()
+        except RoundFailed as e:
+            self.failed_rounds += 1
+            # nothing applied: the progress stays in the model and goes with the next round
+            log.info("round %d: %s; its progress goes with the next round", self.round, e)
+            return
+        self._apply(result, record)
+
+    def _apply(self, result: RoundResult, record: dict[str, Any]) -> None:
+        assert self.averager is not None
+        round_s = time.perf_counter() - self._round_started
+        if not result.self_in_sync:
+            self._start_resync(result)
+            return
+        params = self.runner.host_parameters()
+        with self.lock, self.averager.averaged() as pairs:
+            apply_outer_step(
+                params,
+                self.pieces,
+                pairs,
+                self.theta_sync,
+                self.outer.buf,
+                self.cfg.outer_lr,
+                self.cfg.outer_momentum,
+                self._final,
+            )
+            self.round += 1
+            self._sketch = self.sketcher.of(self.theta_sync)
+        self.averager.averager.state_sharing_priority = float(self.round)
+        self.steps_since_round -= self._round_steps  # steps made meanwhile count for the next
+        self.round_tokens -= self._round_tokens
+        self.last_sync = time.time()
+        self.last_round_s = round_s
+        self._choose_sync_every(result, round_s)
+        if result.group_size > 1 and self.first_contribution_s is None:
+            self.first_contribution_s = self.last_sync - self.started_at
+            record["first_contribution_s"] = self.first_contribution_s
+            record["first_contribution_since_join_s"] = self.last_sync - self.joined_at
+        record["group_size"] = result.group_size
+        record["round_s"] = round_s
+        record["round_bytes"] = self.averager.wire_bytes(result.group_size)
+        record["averaging_memory_ratio"] = self.averaging_memory_ratio()
+        log.debug("round %d applied with %d peers", self.round, result.group_size)
+
+    def _choose_sync_every(self, result: RoundResult, round_s: float) -> None:
+        if self.cfg.fixed_sync_every:
+            return
+        if self._step_s > 0:
+            need = math.ceil(AUTO_MARGIN * round_s / self._step_s)
+            self._proposal = min(max(need, self.cfg.min_sync_every), self.cfg.max_sync_every)
+        proposals = [self._proposal]
+        for g in result.peers:
+            try:
+                proposals.append(int(g.get("sync_every", 0)))
+            except (TypeError, ValueError):
+                continue
+        bounded = [min(max(p, self.cfg.min_sync_every), self.cfg.max_sync_every) for p in proposals]
+        self.sync_every = max(bounded)  # every member takes the same: they stay in phase
+
+    # --- re-synchronization ----------------------------------------------------------------------
+
+    def _start_resync(self, result: RoundResult) -> None:
+        assert self.averager is not None
+        log.warning(
+            "round %d: this peer's synchronized parameters differ from its group's; "
+            "downloading the swarm's state (training goes on)",
+            self.round,
+        )
+        self._resync_round = max(int(g.get("round", 0)) for g in result.peers)
+        self._resync = self.averager.download_state(self.cfg.state_timeout_s, wait=False)
+
+    def _poll_resync(self, record: dict[str, Any]) -> None:
+        if self._resync is None or not self._resync.done():
+            return
+        future, self._resync = self._resync, None
+        problem: str | None
+        try:
+            state = future.result()
+        except Exception as e:
+            state, problem = None, f"{type(e).__name__}: {e}"
+        else:
+            problem = self.checker.problem(state, min_round=self._resync_round)
+        if problem is not None:
+            log.warning("re-synchronization failed (%s); trying again after a round", problem)
+            return
+        self._load(state[0], list(state[1]), mode="resync")
+        record["resynchronized"] = True
+        log.info("re-synchronized at round %d (parameters %s)", self.round, digest(self.theta_sync))
+
+    # --- bookkeeping ------------------------------------------------------------------------------
 
     def _note_rejections(self, record: dict[str, Any]) -> None:
         if self.averager is None:
             return
-        events = self.averager.rejections()
-        if events and self.dht is not None:
-            names = {s.peer_id: s.name for s in read_statuses(self.dht, self.cfg.swarm)}
-            events = [(names.get(peer, peer), why) for peer, why in events]
-        for peer, why in events:
+        for peer, why in self.averager.rejections():  # names from rounds' metadata, no DHT call
             if peer not in self.rejected:
                 self.rejected[peer] = why
                 log.warning(
@@ -342,126 +493,23 @@ class PeerRuntime:
         if self.rejected:
             record["rejected_peers"] = sorted(self.rejected)
 
-    def _poll_round(self, av: ProbedAverager, record: dict[str, Any], wait: bool) -> None:
-        deadline = self._round_started + self.cfg.averaging_timeout_s + 5.0
-        while wait and not av.done() and time.time() < deadline:
-            time.sleep(0.05)
-        if not av.done():
-            if time.time() < deadline:
-                return
-            av.cancel()
-            self._apply_solo("round timed out", record)
-            return
-        try:
-            result = av.result()
-        except RoundFailed as e:
-            self._apply_solo(str(e), record)
-            return
-        self._apply(result, record)
-
-    def _apply_solo(self, why: str, record: dict[str, Any]) -> None:
-        assert self.snapshot is not None
-        self.failed_rounds += 1
-        log.info("round %d: %s; applying this peer's own update", self.round, why)
-        delta = self.theta_sync - self.snapshot
-        self._apply(RoundResult(delta, self.theta_sync, 1, []), record)
-
-    @torch.no_grad()
-    def _apply(self, result: RoundResult, record: dict[str, Any]) -> None:
-        assert self.snapshot is not None
-        if self._final:  # the last round averages the parameters themselves, no extrapolation
-            new_sync = result.theta_sync - result.delta
-        else:
-            new_sync = self.outer.step(result.theta_sync, result.delta)
-        drift = self._flat() - self.snapshot  # local progress made while the round ran
-        self.theta_sync = new_sync
-        self._assign(new_sync + drift)
-        self.snapshot = None
-        self.round += 1
-        self.last_sync = time.time()
-        if self.averager is not None:  # joiners ask the most advanced peer first
-            self.averager.averager.state_sharing_priority = float(self.round)
-        if result.group_size > 1 and self.first_contribution_s is None:
-            self.first_contribution_s = self.last_sync - self.started_at
-            record["first_contribution_s"] = self.first_contribution_s
-            record["first_contribution_since_join_s"] = self.last_sync - self.joined_at
-        record["group_size"] = result.group_size
-        log.debug("round %d applied with %d peers", self.round, result.group_size)
-
-    def _final_round(self, record: dict[str, Any]) -> None:
-        """Finish the running round; wait (bounded) until every live peer is finishing too, then
-        all average their parameters in one last round and end up with the same ones."""
-        av = self.averager
-        if av is not None and av.running:
-            # Let the open round end on its own (bounded by its timeout). Cancelling it is not
-            # enough: an all-reduce already under way goes on in hivemind's process, and the
-            # others would average this peer's round while it applied only its own update.
-            self._poll(record, wait=True)
-        if self.averager is None or self.dht is None:
-            return
-        self._finishing = True
-        deadline = time.time() + self.cfg.final_wait_s
-        others: list[PeerStatus] = []
-        while time.time() < deadline:
-            others = self._live_others()
-            if all(s.finishing for s in others):
-                break
-            time.sleep(0.25)
-        if not others:
-            log.info("no other live peer at the end; keeping this peer's parameters")
-            return
-        self._final = True
-        self._start_round()
-        self._poll(record, wait=True)
-        if record.get("group_size", 1) > 1:
-            self._linger(others)
-        else:  # left out of the others' last group: take its result from one of them
-            self._adopt_final_state(record)
-
-    def _linger(self, others: list[PeerStatus]) -> None:
-        """Stay a few seconds after the last round, serving its result to any peer that the
-        group left out, until every other live peer is done."""
-        assert self.dht is not None
-        self._done = True
-        # long enough for a left-out peer's own last round to time out and ask for the result
-        deadline = time.time() + self.cfg.averaging_timeout_s + LINGER_S
-        while time.time() < deadline:
-            if all(s.done for s in self._live_others()):
-                return
-            time.sleep(0.25)
-
-    def _live_others(self) -> list[PeerStatus]:
+    def live_others(self) -> list[PeerStatus]:
         """The other peers whose status is fresh."""
         assert self.dht is not None
         now = time.time()
         return [
             s
             for s in read_statuses(self.dht, self.cfg.swarm)
-            if s.name != self.name and s.fresh(now)
+            if s.peer_id != self.peer_id and s.fresh(now, 3 * PUBLISH_EVERY_S)
         ]
 
-    def _adopt_final_state(self, record: dict[str, Any]) -> None:
-        assert self.averager is not None
-        state = self.averager.download_state(timeout_s=self.cfg.state_timeout_s)
-        problem = "no peer shared it" if state is None else self._state_problem(*state)
-        if problem is not None or state is None:
-            log.warning("left out of the last round and took no result: %s", problem)
-            return
-        self._load(*state)
-        record["adopted_final_state"] = True
-        log.info(
-            "left out of the last round; took its result (parameters %s)", digest(self._flat())
-        )
-        self._done = True
-
     def _publish(self, step: int) -> None:
-        now = time.time()
         if self.dht is None:
             return
         publish(
             self.dht,
             self.cfg.swarm,
-            self.name,
+            self.peer_id,
             PeerStatus(
                 name=self.name,
                 round=self.round,
@@ -471,11 +519,14 @@ class PeerRuntime:
                 last_sync=self.last_sync,
                 failed_rounds=self.failed_rounds,
                 addrs=tuple(getattr(self, "addrs", ())[:2]),
-                updated=now,
-                finishing=self._finishing,
-                done=self._done,
+                updated=time.time(),
+                finishing=self.finisher.finishing,
+                done=self.finisher.done,
                 rejected=tuple(sorted(self.rejected))[:16],
-                peer_id=self.dht.peer_id.to_base58(),
+                peer_id=self.peer_id,
+                sync_every=self.sync_every,
+                round_s=self.last_round_s,
+                init_digest=self.init_digest if self.round == 0 else "",
             ),
         )
 

@@ -32,7 +32,14 @@ class PeerStatus:
     rejected: tuple[str, ...] = ()
     """Peers whose contributions this one rejected (and now ignores)."""
     peer_id: str = ""
-    """libp2p peer ID (what the averager sees), to name peers in rejections."""
+    """libp2p peer ID (what the averager sees): the key of this peer's own record."""
+    sync_every: int = 0
+    """Local steps between rounds now (chosen automatically unless set)."""
+    round_s: float = 0.0
+    """Duration of the last applied round, from its start to its result."""
+    init_digest: str = ""
+    """While at round 0: a digest of the initial parameters (joiners that built the same ones
+    from the shared seed need no download)."""
 
     def fresh(self, now: float, within_s: float = 5.0) -> bool:
         return now - self.updated <= within_s
@@ -57,6 +64,9 @@ class PeerStatus:
                 done=bool(value.get("done", False)),
                 rejected=_strings(value.get("rejected", ()), 16),
                 peer_id=str(value.get("peer_id", ""))[:128],
+                sync_every=int(value.get("sync_every", 0)),
+                round_s=float(value.get("round_s", 0.0)),
+                init_digest=str(value.get("init_digest", ""))[:64],
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return None
@@ -73,6 +83,7 @@ def status_key(swarm: str) -> str:
 
 
 def publish(dht: DHT, swarm: str, peer_id: str, status: PeerStatus) -> None:
+    """Store this peer's record under its own peer ID, so no two peers share one."""
     record = asdict(status)
     record["addrs"] = list(status.addrs)
     record["rejected"] = list(status.rejected)
@@ -111,6 +122,8 @@ def status_rows(statuses: list[PeerStatus]) -> list[list[str]]:
             f"{s.loss:.3f}",
             f"{s.tokens_per_s:.0f}",
             f"{now - s.last_sync:.1f}s" if s.last_sync else "never",
+            str(s.sync_every or "-"),
+            f"{s.round_s:.1f}s" if s.round_s else "-",
             str(s.failed_rounds),
             rejected_by(s.name),
         ]
@@ -125,6 +138,8 @@ STATUS_HEADERS = [
     "loss",
     "tokens/s",
     "since sync",
+    "H",
+    "round time",
     "failed",
     "rejected by",
 ]

@@ -77,7 +77,9 @@ REUSE_SLACK = 64
 """Extra tokens per streamed row: reused windows start at a fresh offset within them."""
 
 
-def streaming_loader(cfg: RunConfig, shards: TokenShards) -> EchoingLoader:
+def streaming_loader(
+    cfg: RunConfig, shards: TokenShards, index: int, num_peers: int
+) -> EchoingLoader:
     """Raw text tokenized on the fly (the validation documents left out), with data echoing."""
     from atomtrain.data.corpus import resolve_sources
     from atomtrain.data.reuse import EchoingLoader, ReuseConfig
@@ -97,8 +99,8 @@ def streaming_loader(cfg: RunConfig, shards: TokenShards) -> EchoingLoader:
             rate_tokens_per_s=d.input_rate,
         ),
         shards.tokenizer,
-        cfg.peer.index,
-        cfg.peer.num_peers,
+        index if num_peers else 0,  # a stream reads files round-robin: no seeded draw
+        max(num_peers, 1),
     )
     return EchoingLoader(
         source,
@@ -196,16 +198,19 @@ def open_session(
     model = build_model(mc, cfg.train.seed)
     params = dict(model.named_parameters())
     opt = AdamW(params, cfg.optim)
+    index, num_peers = data_slice(cfg, run_dir)
     loader_cfg = LoaderConfig(
         rows=cfg.data.rows,
         seq_len=cfg.data.seq_len,
         seed=cfg.data.seed,
-        peer_index=cfg.peer.index,
-        num_peers=cfg.peer.num_peers,
+        peer_index=index,
+        num_peers=num_peers,
     )
     sampler = WindowSampler(shards, loader_cfg)
     loader: TrainLoader | EchoingLoader = (
-        streaming_loader(cfg, shards) if cfg.data.input == "stream" else TrainLoader(sampler)
+        streaming_loader(cfg, shards, index, num_peers)
+        if cfg.data.input == "stream"
+        else TrainLoader(sampler)
     )
     state = TrainState()
     if ckpt is not None:
@@ -217,7 +222,11 @@ def open_session(
         loader.load_state_dict(ckpt.state["loader"])
         if ckpt.rng_state is not None:
             torch.set_rng_state(ckpt.rng_state)
-        state = TrainState(step=int(ckpt.state["step"]), tokens=int(ckpt.state["tokens"]))
+        state = TrainState(
+            step=int(ckpt.state["step"]),
+            tokens=int(ckpt.state["tokens"]),
+            schedule_offset=int(ckpt.state.get("schedule_offset", 0)),
+        )
         MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     (run_dir / "tokenizer.json").write_text(json.dumps(shards.manifest["tokenizer"]))
@@ -241,12 +250,42 @@ def open_session(
     return session
 
 
+def peer_token(run_dir: Path) -> str:
+    """A random identity of this run's peer, kept in the run directory (a resumed peer keeps
+    it): it names the peer and seeds its batches when no index is given."""
+    path = run_dir / "peer_token"
+    try:
+        token = path.read_text().strip()
+        int(token, 16)
+        return token
+    except (OSError, ValueError):
+        token = os.urandom(8).hex()
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(token)
+        tmp.replace(path)
+        return token
+
+
+def data_slice(cfg: RunConfig, run_dir: Path) -> tuple[int, int]:
+    """(index, slices) of this run's batches. A swarm peer without an index draws windows over
+    the whole split from a seed of its own (its token): peers started alike read different
+    batches, however many there are."""
+    if not cfg.peer.swarm or cfg.peer.index >= 0:
+        return max(cfg.peer.index, 0), cfg.peer.num_peers if cfg.peer.index >= 0 else 1
+    return 1 + int(peer_token(run_dir), 16) % (2**62), 0
+
+
 def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
     """Hook a peer runtime into the trainer; `session.peer.start()` joins the swarm."""
     from atomtrain.peer.runtime import PeerRuntime
 
     cfg = session.cfg
-    name = cfg.run.name or f"peer{cfg.peer.index}"
+    if cfg.run.name:
+        name = cfg.run.name
+    elif cfg.peer.index >= 0:
+        name = f"peer{cfg.peer.index}"
+    else:
+        name = f"peer-{peer_token(session.run_dir)[:6]}"
     peer = PeerRuntime(
         cfg.peer, session.trainer.runner, name, cfg.train.steps, session.run_dir, cfg.train.lr
     )

@@ -32,6 +32,9 @@ class TrainState:
     """Optimizer steps completed."""
     tokens: int = 0
     """Training tokens consumed."""
+    schedule_offset: int = 0
+    """Added to `step` for the learning-rate schedule: a peer that joined a swarm follows the
+    swarm's progress, not its own step count."""
 
 
 @dataclass
@@ -90,7 +93,7 @@ class Trainer:
 
     def _one_step(self) -> dict[str, Any]:
         x, y = self.loader.next_batch()
-        lr = lr_at(self.state.step, self.cfg)
+        lr = lr_at(self.state.step + self.state.schedule_offset, self.cfg)
         t0 = time.perf_counter()
         with self.step_context():
             out = self.runner.train_step(x, y, lr)
@@ -125,6 +128,7 @@ class Trainer:
         state = {
             "step": self.state.step,
             "tokens": self.state.tokens,
+            "schedule_offset": self.state.schedule_offset,
             "loader": self.loader.state_dict(),
             **self.checkpoint_extra,
         }

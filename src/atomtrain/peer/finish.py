@@ -1,0 +1,87 @@
+"""The end of a peer's run: one last round in which every finishing peer averages its parameters,
+so they all end with the same model."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from atomtrain.peer.layout import digest
+from atomtrain.peer.status import PeerStatus
+
+if TYPE_CHECKING:
+    from atomtrain.peer.runtime import PeerRuntime
+
+log = logging.getLogger(__name__)
+
+LINGER_S = 10.0
+
+
+class Finisher:
+    def __init__(self, peer: PeerRuntime) -> None:
+        self.peer = peer
+        self.finishing = False
+        """Done with local steps and waiting for the last round."""
+        self.done = False
+        """Past the last round (and serving its result to any peer the group left out)."""
+
+    def final_round(self, record: dict[str, Any]) -> None:
+        """Finish the running round; wait (bounded) until every live peer is finishing too, then
+        all average their parameters in one last round and end up with the same ones."""
+        peer = self.peer
+        # Let the open round end on its own (bounded by its timeouts). Cancelling it is not
+        # enough: an all-reduce already under way goes on in hivemind's process.
+        peer._poll(record, wait=True)
+        deadline = time.time() + peer.cfg.state_timeout_s
+        while peer._resync is not None and time.time() < deadline:
+            peer._poll_resync(record)
+            time.sleep(0.05)
+        if peer.averager is None or peer.dht is None:
+            return
+        self.finishing = True
+        deadline = time.time() + peer.cfg.final_wait_s
+        others: list[PeerStatus] = []
+        while time.time() < deadline:
+            others = peer.live_others()
+            if all(s.finishing for s in others):
+                break
+            time.sleep(0.25)
+        if not others:
+            log.info("no other live peer at the end; keeping this peer's parameters")
+            return
+        peer._final = True
+        record.pop("group_size", None)
+        peer._start_round()
+        peer._poll(record, wait=True)
+        if record.get("group_size", 1) > 1:
+            self._linger()
+        else:  # left out of the others' last group: take its result from one of them
+            self._adopt_final_state(record)
+
+    def _linger(self) -> None:
+        """Stay a few seconds after the last round, serving its result to any peer that the
+        group left out, until every other live peer is done."""
+        self.done = True
+        # long enough for a left-out peer's own last round to time out and ask for the result
+        deadline = time.time() + self.peer.cfg.averaging_timeout_s + LINGER_S
+        while time.time() < deadline:
+            if all(s.done for s in self.peer.live_others()):
+                return
+            time.sleep(0.25)
+
+    def _adopt_final_state(self, record: dict[str, Any]) -> None:
+        peer = self.peer
+        assert peer.averager is not None
+        state = peer.averager.download_state(timeout_s=peer.cfg.state_timeout_s)
+        problem = peer.checker.problem(state)
+        if problem is not None:
+            log.warning("left out of the last round and took no result: %s", problem)
+            return
+        peer._load(state[0], list(state[1]), mode="replace")
+        record["adopted_final_state"] = True
+        log.info(
+            "left out of the last round; took its result (parameters %s)",
+            digest(peer.theta_sync),
+        )
+        self.done = True

@@ -1,0 +1,50 @@
+"""Checks of a downloaded swarm state before it replaces anything."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from atomtrain.peer.status import PeerStatus
+from atomtrain.peer.sync import lower_median
+
+if TYPE_CHECKING:
+    from atomtrain.peer.runtime import PeerRuntime
+
+
+class StateCheck:
+    def __init__(self, peer: PeerRuntime) -> None:
+        self.numel = peer.numel
+        self.defend = peer.cfg.defend
+
+    @staticmethod
+    def swarm_round(statuses: list[PeerStatus]) -> int:
+        """The round most live peers are at (the median: one peer cannot claim a false one)."""
+        return int(lower_median([s.round for s in statuses]))
+
+    def problem(self, state: Any, min_round: int = 0) -> str | None:
+        """Why a downloaded state must not be used, or None when it passes every check."""
+        if state is None:
+            return "no peer shared it"
+        try:
+            meta, tensors = state
+            tensors = list(tensors)
+        except (TypeError, ValueError):
+            return "malformed state"
+        if not isinstance(meta, dict) or not isinstance(meta.get("round"), int):
+            return "malformed metadata"
+        if not isinstance(meta.get("step", 0), int):
+            return "malformed metadata"
+        if len(tensors) != 2:
+            return f"{len(tensors)} tensors instead of 2"
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                return "malformed state"
+            if t.dtype != torch.float32 or t.shape != (self.numel,):
+                return f"a tensor of {t.dtype} {tuple(t.shape)}, expected float32 ({self.numel},)"
+            if not bool(torch.isfinite(t).all()):
+                return "non-finite values"
+        if self.defend and meta["round"] < min_round:
+            return f"the serving peer is behind (round {meta['round']})"
+        return None

@@ -1,0 +1,42 @@
+"""Which members of a round hold the group's synchronized parameters.
+
+Each member tells the group a sketch of its synchronized parameters (layout.Sketcher) and the
+size of its own update in the same measure. Float16 rounding leaves honest members' parameters a
+tiny distance apart; a member that missed a round, or restarted from an old checkpoint, sits an
+outer step or more away. The reference is the member most others agree with (ties: the most
+rounds, then group order, the same for every member); members farther from it than
+`SYNC_TOL` typical updates are out of sync: their updates are left out (they were made from other
+parameters) and they download the swarm's state instead of drifting further.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from atomtrain.peer.layout import sketch_distance
+
+SYNC_TOL = 0.25
+"""Out of sync beyond this many typical updates (sketch RMS of a member's pseudo-gradient)."""
+MIN_TOL = 1e-7
+
+
+def lower_median(values: Sequence[float]) -> float:
+    ok = sorted(v for v in values if math.isfinite(v) and v >= 0)
+    return ok[(len(ok) - 1) // 2] if ok else 0.0
+
+
+def in_sync_flags(
+    sketches: Sequence[Sequence[float]], update_sizes: Sequence[float], rounds: Sequence[int]
+) -> list[bool]:
+    """For each member, whether it holds the reference's synchronized parameters."""
+    n = len(sketches)
+    if n == 0:
+        return []
+    tol = max(SYNC_TOL * lower_median(update_sizes), MIN_TOL)
+    close = [
+        [sketch_distance(list(sketches[i]), list(sketches[j])) <= tol for j in range(n)]
+        for i in range(n)
+    ]
+    ref = max(range(n), key=lambda i: (sum(close[i]), rounds[i], -i))
+    return close[ref]
