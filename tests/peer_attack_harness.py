@@ -16,7 +16,11 @@ from hivemind import DHT
 from atomtrain.peer.attack import poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
+from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.robust import Defence
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peer_round_harness import averaged_round  # noqa: E402
 
 NUMEL = 5000
 PEERS = 3
@@ -26,15 +30,12 @@ together (one that missed it in the first round catches it in the second)."""
 KEY = SwarmKey(bytes(range(32)))
 
 
-def vectors(index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(index)
-    theta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(99))  # synchronized
-    return torch.randn(NUMEL, generator=g) * 1e-2, theta
+def vectors(index: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(index)) * 1e-2
 
 
-def honest_mean() -> tuple[torch.Tensor, torch.Tensor]:
-    (d0, theta), (d1, _) = vectors(0), vectors(1)
-    return (d0 + d1) / 2, theta
+def honest_mean() -> torch.Tensor:
+    return (vectors(0) + vectors(1)) / 2
 
 
 def barrier(work: Path, name: str, index: int) -> None:
@@ -70,7 +71,7 @@ def main() -> None:
     avg = ProbedAverager(
         dht,
         "atk_avg",
-        NUMEL,
+        cut_pieces({"w": NUMEL}),
         "none",
         2.0,
         8.0,
@@ -79,25 +80,14 @@ def main() -> None:
         MemberGate(KEY, "atk"),
         Defence() if defend else None,
     )
-    delta, theta = vectors(index)
+    delta = vectors(index)
     if index == 2:
-        delta, theta = poison(attack, delta, theta, None)
+        delta = poison(attack, delta)
     rounds, rejected = [], []
     for r in range(ROUNDS):
         barrier(work, f"round{r}_", index)
-        avg.start(delta, theta, 1.0, {"name": f"h{index}"})
-        while not avg.done():
-            time.sleep(0.02)
         try:
-            res = avg.result()
-            rounds.append(
-                {
-                    "failed": False,
-                    "group": res.group_size,
-                    "delta": res.delta,
-                    "theta": res.theta_sync,
-                }
-            )
+            rounds.append({"failed": False, **averaged_round(avg, delta, 1.0, f"h{index}")})
         except RoundFailed as e:
             rounds.append({"failed": True, "why": str(e)})
         rejected += avg.rejections()

@@ -29,12 +29,13 @@ def averaged_round(avg: ProbedAverager, delta: torch.Tensor, weight: float, name
     def write(piece, out):
         out.copy_(delta[piece.offset : piece.offset + piece.numel])
 
-    info = {"name": name, "round": 0, "sketch": [0.0] * 64, "update_size": 1.0, "rms": 1.0}
-    avg.start(write, weight, info)
+    rms = float(delta.pow(2).mean().sqrt())
+    info = {"name": name, "round": 0, "sketch": [0.0] * 64, "update_size": 1.0, "rms": rms}
+    avg.start(write, weight, lambda: info)
     while not avg.done():
         time.sleep(0.05)
     result = avg.result()
-    flat = torch.empty(NUMEL)
+    flat = torch.empty(delta.numel())
     with avg.averaged() as pairs:
         for piece, (mean, own) in zip(avg.pieces, pairs, strict=True):
             flat[piece.offset : piece.offset + piece.numel] = mean.float()

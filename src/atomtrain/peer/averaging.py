@@ -110,15 +110,21 @@ class ProbedAverager:
         self.pieces = pieces
         self.timeout_s = timeout_s
         wire, dtype, self.wire_bytes_per_element = codec(compression)
+        # one shared storage per dtype and role: a shared tensor each would ask torch's shared
+        # memory manager once per piece, slow on a busy machine
+        numel = sum(p.numel for p in pieces)
+        held = torch.zeros(numel, dtype=dtype).share_memory_()
+        own = torch.zeros(numel, dtype=dtype).share_memory_()
+        probes = torch.zeros(len(pieces)).share_memory_()
+        self._probe_in = torch.zeros(1).share_memory_()
         tensors: list[torch.Tensor] = []
         inputs: list[torch.Tensor] = []
         codecs: list[Any] = []
-        for piece in pieces:
-            tensors += [torch.zeros(piece.numel, dtype=dtype), torch.zeros(1)]
-            inputs += [torch.zeros(piece.numel, dtype=dtype).share_memory_(), None]  # type: ignore[list-item]
+        for i, piece in enumerate(pieces):
+            sl = slice(piece.offset, piece.offset + piece.numel)
+            tensors += [held[sl], probes[i : i + 1]]
+            inputs += [own[sl], self._probe_in]
             codecs += [wire, NoCompression()]
-        self._probe_in = torch.zeros(1).share_memory_()
-        inputs = [t if t is not None else self._probe_in for t in inputs]
         self._inputs = inputs
         self.kinds = [PROBE if i % 2 else DELTA for i in range(len(tensors))]
         self._events: Any = mp.get_context("fork").Queue()
@@ -154,7 +160,7 @@ class ProbedAverager:
         """Host bytes this averager holds for the round (averaged tensors and own copy)."""
         with self.averager.get_tensors() as tensors:
             held = sum(t.numel() * t.element_size() for t in tensors)
-        return held + sum(t.numel() * t.element_size() for t in self._inputs[::2])
+        return held + sum(t.numel() * t.element_size() for t in self._inputs[::2])  # own copy
 
     def wire_bytes(self, group_size: int) -> float:
         """Bytes a member sends (and as many receives) in a round of `group_size`: its vector
@@ -169,10 +175,10 @@ class ProbedAverager:
         self,
         write: Callable[[Piece, torch.Tensor], None],
         weight: float,
-        info: dict[str, Any],
-        wait: bool = False,
+        info: Callable[[], dict[str, Any]],
     ) -> None:
-        """`write(piece, out)` fills `out` with this member's contribution for the piece."""
+        """`write(piece, out)` fills `out` with this member's contribution for the piece; then
+        `info()` says what the group is told about it (it may use what `write` measured)."""
         assert self._control is None, "a round is already running"
         self._probe = random.uniform(1.0, 2.0)
         self._probe_in.fill_(self._probe)
@@ -182,7 +188,7 @@ class ProbedAverager:
                 write(piece, own)
                 tensors[2 * i].copy_(own)
                 tensors[2 * i + 1].fill_(self._probe)
-        gather = {**info, "probe": self._probe, "weight": weight}
+        gather = {**info(), "probe": self._probe, "weight": weight}
         self._control = self.averager.step(
             wait=False, weight=max(weight, 1e-6), timeout=self.timeout_s, gather=gather
         )

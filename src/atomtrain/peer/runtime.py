@@ -367,7 +367,7 @@ class PeerRuntime:
         self.averager.start(
             write,
             float(self.round_tokens),
-            {
+            lambda: {
                 "name": self.name,
                 "round": self.round,
                 "tokens": self.round_tokens,

@@ -5,7 +5,7 @@ size of its own update in the same measure. Float16 rounding leaves honest membe
 tiny distance apart; a member that missed a round, or restarted from an old checkpoint, sits an
 outer step or more away. The reference is the member most others agree with (ties: the most
 rounds, then group order, the same for every member); members farther from it than
-`SYNC_TOL` typical updates are out of sync: their updates are left out (they were made from other
+`SYNC_TOL` updates are out of sync: their updates are left out (they were made from other
 parameters) and they download the swarm's state instead of drifting further.
 """
 
@@ -16,8 +16,10 @@ from collections.abc import Sequence
 
 from atomtrain.peer.layout import sketch_distance
 
-SYNC_TOL = 0.25
-"""Out of sync beyond this many typical updates (sketch RMS of a member's pseudo-gradient)."""
+SYNC_TOL = 0.1
+"""Out of sync beyond this many updates (sketch RMS of the largest pseudo-gradient in the round:
+float16 rounding of a round leaves members about 2^-11 of the largest update apart, a missed outer
+step about one update)."""
 MIN_TOL = 1e-7
 
 
@@ -33,7 +35,8 @@ def in_sync_flags(
     n = len(sketches)
     if n == 0:
         return []
-    tol = max(SYNC_TOL * lower_median(update_sizes), MIN_TOL)
+    sizes = [s for s in update_sizes if math.isfinite(s) and s >= 0]
+    tol = max(SYNC_TOL * max(sizes, default=0.0), MIN_TOL)
     close = [
         [sketch_distance(list(sketches[i]), list(sketches[j])) <= tol for j in range(n)]
         for i in range(n)

@@ -1,0 +1,184 @@
+"""Rounds driven step by step: two peer runtimes in this process (each with its real hivemind DHT
+and averager processes), trained by hand so every outcome is deterministic to check."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from atomtrain.config import PeerSection
+from atomtrain.models import GPT, GPTConfig
+from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.peer.layout import Sketcher, cut_pieces, flatten
+from atomtrain.peer.rounds import apply_outer_step, move_to
+from atomtrain.peer.runtime import PeerRuntime
+from atomtrain.train.runner import PlainRunner
+from atomtrain.train.trainer import TrainState
+
+
+class Driver:
+    """One peer: a tiny GPT, its runtime, and a step() that trains and calls the runtime."""
+
+    def __init__(self, tmp: Path, name: str, join: str = "", seed: int = 0, **peer) -> None:
+        torch.manual_seed(0)  # the same initial parameters on every peer
+        self.model = GPT(GPTConfig.from_name("tiny"))
+        params = dict(self.model.named_parameters())
+        self.runner = PlainRunner(
+            self.model, AdamW(params, AdamWConfig()), 4, 1.0, torch.device("cpu")
+        )
+        cfg = PeerSection(
+            swarm="rounds",
+            join=join,
+            sync_every=str(peer.pop("sync_every", 3)),
+            matchmaking_s=1.0,
+            averaging_timeout_s=peer.pop("timeout_s", 15.0),
+            state_timeout_s=15.0,
+            final_sync=False,
+            defend=peer.pop("defend", True),
+            **peer,
+        )
+        run_dir = tmp / name
+        run_dir.mkdir()
+        self.peer = PeerRuntime(cfg, self.runner, name, 10_000, run_dir, lr=1e-2)
+        self.state = TrainState()
+        self.gen = torch.Generator().manual_seed(seed)
+        self.peer.start(None, self.state)
+        self.after_step_s: list[float] = []
+
+    def step(self) -> dict:
+        x = torch.randint(0, 256, (4, 16), generator=self.gen)
+        self.runner.train_step(x, x.roll(-1, 1), 1e-2)
+        self.state.step += 1
+        record = {"loss": 1.0, "tokens_step": x.numel()}
+        t0 = time.perf_counter()
+        self.peer.after_step(self.state, record)
+        self.after_step_s.append(time.perf_counter() - t0)
+        return record
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.runner.host_parameters().items()}
+
+    def close(self) -> None:
+        self.peer.shutdown()
+        if self.peer.watchdog is not None:
+            self.peer.watchdog.kill()
+
+
+def addr(d: Driver) -> str:
+    return d.peer.addrs[0]
+
+
+def steps_until(drivers: list[Driver], done, limit_s: float = 60.0) -> None:
+    deadline = time.time() + limit_s
+    while not done():
+        assert time.time() < deadline, "timed out"
+        for d in drivers:
+            d.step()
+        time.sleep(0.02)
+
+
+def settle(drivers: list[Driver]) -> None:
+    """Let the rounds in flight land, starting no new ones."""
+    for d in drivers:
+        d.peer._poll({}, wait=True)
+
+
+@pytest.fixture
+def pair(tmp_path: Path):
+    a = Driver(tmp_path, "a", seed=1)
+    b = Driver(tmp_path, "b", join=addr(a), seed=2)
+    yield a, b
+    b.close()
+    a.close()
+
+
+def test_a_fresh_swarm_needs_no_download_and_rounds_agree(pair):
+    a, b = pair
+    assert torch.equal(a.peer.theta_sync, b.peer.theta_sync)  # the seed, not a download
+    steps_until([a, b], lambda: a.peer.round >= 2 and b.peer.round >= 2)
+    settle([a, b])
+    # members of a round apply the same average: their synchronized parameters agree up to the
+    # float16 rounding of the averages each received
+    assert a.peer.round == b.peer.round
+    diff = (a.peer.theta_sync - b.peer.theta_sync).abs().max()
+    assert float(diff) < 1e-3
+    assert a.peer.sync_every == b.peer.sync_every  # the group's choice: they stay in phase
+
+
+def test_a_round_without_a_group_changes_nothing_and_local_steps_never_wait(tmp_path: Path):
+    lone = Driver(tmp_path, "lone", sync_every=2, timeout_s=5.0)
+    try:
+        theta = lone.peer.theta_sync.clone()
+        for _ in range(2):
+            lone.step()  # the round starts here, looking for a group that never comes
+        assert lone.peer.averager is not None and lone.peer.averager.running
+        before = lone.params()
+        failed = lone.peer.failed_rounds
+        steps_until([lone], lambda: lone.peer.failed_rounds > failed, limit_s=30)
+        # nothing applied alone: the synchronized parameters stay, the progress stays in the model
+        assert torch.equal(lone.peer.theta_sync, theta) and lone.peer.round == 0
+        assert lone.peer.round_tokens > 0  # ...and goes with the next round, weighted
+        after = lone.params()
+        assert any(not torch.equal(before[n], after[n]) for n in before)  # training went on
+        # while the round searched for seconds, no step waited for it
+        assert max(lone.after_step_s) < 1.0, max(lone.after_step_s)
+    finally:
+        lone.close()
+
+
+def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(pair):
+    a, b = pair
+    steps_until([a, b], lambda: a.peer.round >= 1 and b.peer.round >= 1)
+    settle([a, b])
+    # b as if it had missed a round: one outer step fewer, its synchronized parameters elsewhere
+    with b.peer.lock:
+        b.peer.round -= 1
+        b.peer.theta_sync.add_(0.05)
+        b.peer._sketch = b.peer.sketcher.of(b.peer.theta_sync)
+    before = b.peer.round
+    steps_until([a, b], lambda: b.peer._resync is not None or b.peer.round > before + 1)
+    assert b.peer._resync is not None, "b did not find itself out of sync"
+    steps_until([a, b], lambda: b.peer._resync is None)
+    # from then on b takes part again: the next rounds find both in sync, at the same round
+    target = a.peer.round + 2
+    steps_until([a, b], lambda: a.peer.round >= target and b.peer.round >= target)
+    settle([a, b])
+    assert a.peer.round == b.peer.round
+    assert float((a.peer.theta_sync - b.peer.theta_sync).abs().max()) < 1e-3
+    assert max(b.after_step_s) < 1.0  # the download ran in the background
+
+
+def test_resynchronizing_keeps_the_local_progress():
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(50, generator=g)}
+    pieces = cut_pieces({"w": 50}, pieces_hint=3)
+    theta = torch.randn(50, generator=g)
+    new = torch.randn(50, generator=g)
+    progress = params["w"] - theta
+    move_to(params, pieces, theta, new)
+    assert torch.equal(theta, new)
+    torch.testing.assert_close(params["w"] - theta, progress)
+
+
+def test_the_outer_step_moves_model_and_sync_alike():
+    """The piecewise outer step against the flat DiLoCo formula."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(50, generator=g), "b": torch.randn(7, generator=g)}
+    pieces = cut_pieces({n: p.numel() for n, p in params.items()}, pieces_hint=4)
+    theta = flatten(params, pieces) + 0.1
+    x0 = flatten(params, pieces)
+    own = [(theta - x0)[p.offset : p.offset + p.numel].half() for p in pieces]
+    avg = [torch.randn(p.numel, generator=g).half() for p in pieces]
+    m = torch.randn(57, generator=g)
+    a_flat, q_flat = torch.cat([a.float() for a in avg]), torch.cat([q.float() for q in own])
+    m_want = 0.9 * m + a_flat
+    step = 0.7 * (a_flat + 0.9 * m_want)
+    theta_want, x_want = theta - step, x0 + q_flat - step
+    apply_outer_step(params, pieces, list(zip(avg, own, strict=True)), theta, m, 0.7, 0.9, False)
+    torch.testing.assert_close(m, m_want)
+    torch.testing.assert_close(theta, theta_want)
+    torch.testing.assert_close(flatten(params, pieces), x_want)
+    assert len(Sketcher(57).of(theta)) == 64
