@@ -20,7 +20,7 @@ from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.robust import Defence
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_round_harness import averaged_round  # noqa: E402
+from peer_round_harness import averaged_round
 
 NUMEL = 5000
 PEERS = 3

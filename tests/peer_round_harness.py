@@ -37,7 +37,7 @@ def averaged_round(avg: ProbedAverager, delta: torch.Tensor, weight: float, name
     result = avg.result()
     flat = torch.empty(delta.numel())
     with avg.averaged() as pairs:
-        for piece, (mean, own) in zip(avg.pieces, pairs, strict=True):
+        for piece, (mean, _own) in zip(avg.pieces, pairs, strict=True):
             flat[piece.offset : piece.offset + piece.numel] = mean.float()
     return {"delta": flat, "group": result.group_size}
 
