@@ -148,3 +148,71 @@ def test_a_restarted_peer_resumes_from_its_checkpoint_and_catches_up(churn):
 def test_finishers_agree_after_the_last_round(churn):
     assert churn.result["finished_peers"] == 4, churn.result
     assert churn.result["param_spread"] <= AGREEMENT_TOL, churn.result
+
+
+def test_machines_started_as_the_readme_says_each_do_their_own_work(tmp_path: Path):
+    """`atomtrain train --swarm NAME` on one machine, `... --join ADDR` on another: no index is
+    given, yet each peer reads its own batches, keeps its own status record, and a fresh swarm
+    needs no state download (every peer built the same initial weights from the seed)."""
+    import os
+
+    common = [*SMALL, "--train.steps=150", "--peer.sync_every=10", "--quiet", "--no-sample"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    machines = [tmp_path / "m1", tmp_path / "m2"]
+    procs, logs = [], []
+    try:
+        for i, cwd in enumerate(machines):
+            cwd.mkdir()
+            args = ["train", "--swarm", "readme", *common]
+            if i == 1:
+                (peer_json,) = wait_for_files(machines[0] / "runs", "peer.json")
+                addr = json.loads(peer_json.read_text())["addrs"][0]
+                args = ["train", "--swarm", "readme", "--join", addr, *common]
+            log = open(cwd / "log", "w")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "atomtrain.cli.main", *args],
+                    cwd=cwd,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        rows = 0
+        deadline = time.time() + 120
+        while rows < 2 and time.time() < deadline and all(p.poll() is None for p in procs):
+            status = run_cli(
+                "status", "--join", addr, "--swarm", "readme", cwd=tmp_path, timeout=60
+            )
+            rows = status.stdout.count("peer-")
+        assert rows == 2, status.stdout  # two records, one per peer
+        for p in procs:
+            assert p.wait(timeout=300) == 0
+    finally:
+        for p in procs:
+            p.kill()
+        for log in logs:
+            log.close()
+    second = (machines[1] / "log").read_text()
+    assert "fresh swarm" in second and "joined at round" not in second, second[-2000:]
+    runs = [next((m / "runs").iterdir()) for m in machines]
+    ids = [json.loads((r / "peer.json").read_text())["peer_id"] for r in runs]
+    assert ids[0] != ids[1]
+    first_losses = [
+        next(r["loss"] for r in read_metrics(run / "metrics.jsonl") if r.get("step") == 1)
+        for run in runs
+    ]
+    assert first_losses[0] != first_losses[1]  # same weights, different batches
+    a, b = (final_params(r) for r in runs)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= AGREEMENT_TOL
+
+
+def wait_for_files(root: Path, name: str, timeout_s: float = 120) -> list[Path]:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        found = list(root.glob(f"*/{name}")) if root.exists() else []
+        if found:
+            return found
+        time.sleep(0.2)
+    raise TimeoutError(f"no {name} under {root}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from dataclasses import replace
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -108,7 +110,13 @@ def run_churn(args: argparse.Namespace, _extra: list[str]) -> int:
     out = Path(args.out_dir)
     shutil.rmtree(out, ignore_errors=True)
     cfg = ChurnConfig(peers=args.peers, steps=args.steps, sync_every=args.sync_every)
-    _emit(run_churn(cfg, out).result, args.json)
+    print("churn: the swarm with a peer killed, a joiner and a restart...", file=sys.stderr)
+    result = run_churn(cfg, out / "churn").result
+    print("churn: the same swarm without churn, for reference...", file=sys.stderr)
+    calm = run_churn(replace(cfg, kill=False), out / "calm", name="calm").result
+    result["no_churn_final_loss"] = calm["final_loss"]
+    result["survivor_loss_vs_no_churn"] = result["final_loss"] / calm["final_loss"] - 1
+    _emit(result, args.json)
     return 0
 
 

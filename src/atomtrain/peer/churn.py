@@ -35,6 +35,8 @@ class ChurnConfig:
     next round runs)."""
     restart_killed: bool = True
     """Restart the killed peer from its last checkpoint."""
+    kill: bool = True
+    """Kill the victim (off: the same swarm without churn, the benchmark's reference)."""
     averaging_timeout_s: float = 20.0
     matchmaking_s: float = 1.5
     """Peers on one machine find each other fast; the default (3 s) suits real networks."""
@@ -106,6 +108,9 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
             180,
             "the victim's first round and checkpoint",
         )
+        if not cfg.kill:
+            _wait(lambda: not swarm.running(), 600, "the swarm to finish")
+            return ChurnOutcome(_summary(cfg, swarm, swarm.peers, None, []), swarm)
         time.sleep(cfg.sync_every * 0.05)  # into its next round
         helpers = [p.pid for p in psutil.Process(victim.proc.pid).children(recursive=True)]
         victim.proc.send_signal(signal.SIGKILL)
@@ -130,17 +135,58 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
             for pid in helpers
             if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         ]
+        lost = _unsent_steps(victim)
         _wait(lambda: not swarm.running(), 600, "the swarm to finish")
     finally:
         if swarm.running():
             swarm.stop()
+    result = _summary(cfg, swarm, survivors, joiner, alive)
+    redone = (lost[0] - _checkpoint_step(restarted)) if restarted else 0
+    result.update(
+        {
+            "killed": 1,
+            "joined": 1 + (1 if restarted else 0),
+            "updates_lost_steps": lost[1],
+            "restart_steps_redone": redone,
+            "killed_helpers_alive_after_5s": len(alive),
+            "seconds_from_kill_to_end": time.time() - killed_at,
+        }
+    )
+    logs = {p.index: p.log_path.read_text() for p in swarm.peers}
+    return ChurnOutcome(result, swarm, alive, logs)
+
+
+def _unsent_steps(peer: PeerProcess) -> tuple[int, int]:
+    """(last step, local steps since its last applied round): the victim's progress that no
+    round carried to anyone when it died."""
+    recs = [r for r in read_metrics(peer.run_dir / "metrics.jsonl") if "loss" in r]
+    last = max((r["step"] for r in recs), default=0)
+    applied = max((r["step"] for r in recs if "group_size" in r), default=0)
+    return last, last - applied
+
+
+def _checkpoint_step(peer: PeerProcess) -> int:
+    """The step a resumed peer restarted from (its first new record's step, minus one)."""
+    recs = [r for r in read_metrics(peer.run_dir / "metrics.jsonl") if "loss" in r]
+    steps = [r["step"] for r in recs]
+    # a resumed run truncates its metrics at the checkpoint, then appends from there
+    return next((a for a, b in itertools.pairwise(steps) if b <= a), steps[0] - 1 if steps else 0)
+
+
+def _summary(
+    cfg: ChurnConfig,
+    swarm: Swarm,
+    survivors: list[PeerProcess],
+    joiner: PeerProcess | None,
+    alive: list[int],
+) -> dict:
     finishers = [p for p in swarm.peers if p.proc.returncode == 0]
     metrics = {p.index: read_metrics(p.run_dir / "metrics.jsonl") for p in survivors}
     stalls = []
     for recs in metrics.values():
         times = [r["elapsed_s"] for r in recs if "elapsed_s" in r]
         stalls.append(max((b - a for a, b in itertools.pairwise(times)), default=0.0))
-    joiner_recs = read_metrics(joiner.run_dir / "metrics.jsonl")
+    joiner_recs = read_metrics(joiner.run_dir / "metrics.jsonl") if joiner else []
     since_join = [
         r["first_contribution_since_join_s"]
         for r in joiner_recs
@@ -155,23 +201,19 @@ def run_churn(cfg: ChurnConfig, out_dir: Path, name: str = "churn") -> ChurnOutc
         next((r["val_loss"] for r in reversed(recs) if "val_loss" in r), float("nan"))
         for recs in metrics.values()
     ]
-    result = {
-        "peers": n,
-        "killed": 1,
-        "joined": 1 + (1 if restarted else 0),
+    return {
+        "peers": cfg.peers,
+        "killed": 0,
+        "joined": 0,
         "survivor_steps_lost": sum(cfg.steps - _last_step(p) for p in survivors),
         "max_survivor_stall_s": max(stalls),
-        "join_to_first_contribution_s": since_join[0] if since_join else None,
-        "launch_to_first_contribution_s": contributed[0] if contributed else None,
+        "join_to_first_contribution_s": contributed[0] if contributed else None,
+        "dht_start_to_first_contribution_s": since_join[0] if since_join else None,
         "final_loss": sum(finals) / len(finals),
         "param_spread": spread,
         "averaging_timeout_s": cfg.averaging_timeout_s,
-        "killed_helpers_alive_after_5s": len(alive),
-        "seconds_from_kill_to_end": time.time() - killed_at,
         "finished_peers": len(finishers),
     }
-    logs = {p.index: p.log_path.read_text() for p in swarm.peers}
-    return ChurnOutcome(result, swarm, alive, logs)
 
 
 def write_json(path: Path, data: dict) -> None:
