@@ -109,6 +109,12 @@ class PeerSection:
     """Address this peer listens on."""
     port: int = 0
     """Port this peer listens on (0: any free port)."""
+    identity: str = ""
+    """File with this peer's libp2p private key, made when missing (empty: a new identity each
+    start). With a fixed port it fixes this peer's address, so others can be started with
+    --join at the same time as this one."""
+    join_timeout_s: float = 60.0
+    """Longest a joiner keeps trying to reach the peers at --join (they may still be starting)."""
     index: int = -1
     """This peer's index, for its data and its name (-1: drawn from the peer's own identity, so
     any number of machines started alike each read their own batches)."""

@@ -179,20 +179,37 @@ class PeerRuntime:
         )
 
     def _start_dht(self, initial: list[str]) -> DHT:
-        try:
-            return DHT(
-                initial_peers=initial,
-                host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
-                start=True,
-                authorizer=SwarmAuthorizer(self.key) if self.key else None,
-            )
-        except Exception as e:
-            if initial and "bootstrap failed" in str(e):
-                raise AtomError(
-                    "cannot join the swarm: no peer accepted this one (does the swarm use "
-                    "another key, or none? is a peer running at --join?)"
-                ) from None
-            raise AtomError(f"cannot start the swarm ({type(e).__name__}: {e})") from None
+        """The DHT, joined to `initial` (retried while those peers may still be starting)."""
+        deadline = time.time() + self.cfg.join_timeout_s
+        identity = {"identity_path": self.cfg.identity} if self.cfg.identity else {}
+        warned = False
+        while True:
+            try:
+                return DHT(
+                    initial_peers=initial,
+                    host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
+                    start=True,
+                    authorizer=SwarmAuthorizer(self.key) if self.key else None,
+                    **identity,
+                )
+            except Exception as e:
+                refused = initial and "bootstrap failed" in str(e)
+                if refused and time.time() < deadline:
+                    if not warned:
+                        log.warning(
+                            "no peer at --join answered yet (still starting? another key?); "
+                            "trying for up to %.0f s",
+                            self.cfg.join_timeout_s,
+                        )
+                        warned = True
+                    time.sleep(1.0)
+                    continue
+                if refused:
+                    raise AtomError(
+                        "cannot join the swarm: no peer accepted this one (does the swarm use "
+                        "another key, or none? is a peer running at --join?)"
+                    ) from None
+                raise AtomError(f"cannot start the swarm ({type(e).__name__}: {e})") from None
 
     def averaging_memory_ratio(self) -> float:
         """Host memory held for averaging, as a multiple of the float32 model: synchronized
