@@ -129,6 +129,32 @@ def test_a_round_without_a_group_changes_nothing_and_local_steps_never_wait(tmp_
         lone.close()
 
 
+def test_a_peer_stalled_mid_round_never_holds_up_the_others_steps(pair):
+    import os
+    import signal
+
+    a, b = pair
+    steps_until([a, b], lambda: a.peer.round >= 1 and b.peer.round >= 1)
+    # freeze b's averager while a round runs: a's round waits on it, a's training must not
+    steps_until([a, b], lambda: a.peer.averager.running and b.peer.averager.running)
+    frozen = b.peer.averager.averager.pid
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        a.after_step_s.clear()
+        failed, rounds = a.peer.failed_rounds, a.peer.round
+        start = time.time()
+        steps_until([a], lambda: a.peer.failed_rounds > failed or time.time() > start + 20)
+        steps_while_stalled = len(a.after_step_s)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    assert a.peer.round <= rounds + 1  # the stalled round did not land (at most one in flight)
+    assert steps_while_stalled >= 5  # a kept training through the stall
+    assert max(a.after_step_s) < 1.0, max(a.after_step_s)
+    # and once b is back, they average together again
+    target = a.peer.round + 1
+    steps_until([a, b], lambda: a.peer.round >= target and b.peer.round >= target, 90)
+
+
 def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(pair):
     a, b = pair
     steps_until([a, b], lambda: a.peer.round >= 1 and b.peer.round >= 1)
