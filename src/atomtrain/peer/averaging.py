@@ -81,6 +81,8 @@ class RoundResult:
     own_index: int
     in_sync: list[bool]
     """Per member: holds the group's reference synchronized parameters (sync.py)."""
+    peer_ids: list[str]
+    """The members' peer IDs (base58), in group order."""
 
     @property
     def self_in_sync(self) -> bool:
@@ -106,6 +108,7 @@ class ProbedAverager:
         state_provider: Any,
         gate: MemberGate | None = None,
         defence: Defence | None = None,
+        group_bits: str = "",
     ) -> None:
         self.pieces = pieces
         self.timeout_s = timeout_s
@@ -141,6 +144,7 @@ class ProbedAverager:
             prefix=prefix,
             start=True,
             target_group_size=target_group_size,
+            initial_group_bits=group_bits,
             min_group_size=2,
             min_matchmaking_time=matchmaking_s,
             request_timeout=1.0,
@@ -241,7 +245,13 @@ class ProbedAverager:
                 f"partial round: {len(bad)} of {len(seen)} probes unaveraged "
                 f"(a group member left mid-round or sent bad averages); discarded"
             )
-        return RoundResult(len(peers), peers, ids.index(own_id), membership(peers))
+        return RoundResult(
+            len(peers),
+            peers,
+            ids.index(own_id),
+            membership(peers),
+            [i.to_base58() for i in ids],
+        )
 
     @contextmanager
     def averaged(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:

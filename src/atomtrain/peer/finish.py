@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LINGER_S = 10.0
+REPRESENTATIVE = 1e9
+"""State-sharing priority of the peer whose last-round result every finisher takes."""
 
 
 class Finisher:
@@ -54,10 +56,18 @@ class Finisher:
         record.pop("group_size", None)
         peer._start_round()
         peer._poll(record, wait=True)
-        if record.get("group_size", 1) > 1:
+        group = record.get("group_size", 1)
+        smallest = min([peer.peer_id] + [s.peer_id for s in others])
+        if group > len(others):  # every finisher was in this group
             self._linger()
-        else:  # left out of the others' last group: take its result from one of them
-            self._adopt_final_state(record)
+        elif smallest in (peer.last_group_ids if group > 1 else [peer.peer_id]):
+            # several groups (a swarm larger than a group) or peers left out: every finisher
+            # takes the result of the group holding the smallest peer ID, served from here
+            assert peer.averager is not None
+            peer.averager.averager.state_sharing_priority = REPRESENTATIVE
+            self._linger()
+        else:
+            self._adopt_final_state(record, smallest)
 
     def _linger(self) -> None:
         """Stay a few seconds after the last round, serving its result to any peer that the
@@ -70,9 +80,14 @@ class Finisher:
                 return
             time.sleep(0.25)
 
-    def _adopt_final_state(self, record: dict[str, Any]) -> None:
+    def _adopt_final_state(self, record: dict[str, Any], representative: str) -> None:
         peer = self.peer
         assert peer.averager is not None
+        deadline = time.time() + peer.cfg.averaging_timeout_s + LINGER_S
+        while time.time() < deadline:  # its result is ready once it says it is done
+            if any(s.done for s in peer.live_others() if s.peer_id == representative):
+                break
+            time.sleep(0.25)
         state = peer.averager.download_state(timeout_s=peer.cfg.state_timeout_s)
         problem = peer.checker.problem(state)
         if problem is not None:

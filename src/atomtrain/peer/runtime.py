@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import subprocess
 import threading
 import time
@@ -114,6 +115,7 @@ class PeerRuntime:
         self.last_round_s = 0.0
         self._final = False
         self._resync: Any = None
+        self.last_group_ids: list[str] = []
         self.last_sync = 0.0
         self.first_contribution_s: float | None = None
         import psutil
@@ -158,6 +160,7 @@ class PeerRuntime:
             self._shared_state,
             MemberGate(self.key, self.cfg.swarm),
             Defence(min_scale=self.lr * MIN_SCALE_STEPS) if self.cfg.defend else None,
+            "".join(random.choice("01") for _ in range(self.cfg.group_bits)),
         )
         self.checker = StateCheck(self)
         if resumed is not None:
@@ -446,6 +449,8 @@ class PeerRuntime:
             record["first_contribution_s"] = self.first_contribution_s
             record["first_contribution_since_join_s"] = self.last_sync - self.joined_at
         record["group_size"] = result.group_size
+        record["group"] = sorted(str(g.get("name", ""))[:64] for g in result.peers)
+        self.last_group_ids = result.peer_ids
         record["round_s"] = round_s
         record["round_bytes"] = self.averager.wire_bytes(result.group_size)
         record["averaging_memory_ratio"] = self.averaging_memory_ratio()
