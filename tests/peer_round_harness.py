@@ -1,6 +1,6 @@
 """One peer of the averaging-round test, run as its own process:
 
-    python peer_round_harness.py INDEX WEIGHT WORKDIR
+    python peer_round_harness.py INDEX WEIGHT WORKDIR [COMPRESSION]
 
 Peer 0 starts the DHT and writes its address to WORKDIR/addr; others join it. Each peer averages
 its own known pseudo-gradient once and saves what came back to WORKDIR/out{INDEX}.pt.
@@ -44,6 +44,7 @@ def averaged_round(avg: ProbedAverager, delta: torch.Tensor, weight: float, name
 
 def main() -> None:
     index, weight, work = int(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
+    compression = sys.argv[4] if len(sys.argv) > 4 else "float16"
     addr_file = work / "addr"
     if index == 0:
         dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -58,7 +59,7 @@ def main() -> None:
         dht,
         "harness",
         cut_pieces({"a": 1000, "b": NUMEL - 1000}),
-        "float16",
+        compression,
         matchmaking_s=3.0,
         timeout_s=30.0,
         target_group_size=8,

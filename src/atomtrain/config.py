@@ -135,7 +135,8 @@ class PeerSection:
     outer_momentum: float = 0.9
     """Momentum of the outer Nesterov step."""
     compression: str = "float16"
-    """Wire format of the averaged pseudo-gradient: float16, int8 (with error feedback) or none."""
+    """Wire format of the averaged pseudo-gradient: float16, int8 or int4 (what rounding loses
+    goes with the next round: error feedback), or none."""
     matchmaking_s: float = 3.0
     """Time a round waits to gather a group."""
     averaging_timeout_s: float = 30.0
@@ -175,9 +176,9 @@ class PeerSection:
             raise AtomError("peer.min_sync_every must be at least 1 and at most max_sync_every")
         if self.sync_mode not in ("async", "blocking"):
             raise AtomError(f"peer.sync_mode must be async or blocking, got {self.sync_mode!r}")
-        if self.compression not in ("float16", "int8", "none"):
+        if self.compression not in ("float16", "int8", "int4", "none"):
             raise AtomError(
-                f"peer.compression must be float16, int8 or none, got {self.compression!r}"
+                f"peer.compression must be float16, int8, int4 or none, got {self.compression!r}"
             )
         if (
             self.index < -1

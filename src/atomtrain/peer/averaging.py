@@ -2,7 +2,7 @@
 detection of partial rounds.
 
 A round carries one vector: each member's pseudo-gradient (parameters at the last sync minus
-parameters now), compressed on the wire (float16 by default, 8-bit as an option), averaged
+parameters now), compressed on the wire (float16 by default, 8-bit or 4-bit as options), averaged
 weighted by tokens. The synchronized parameters never travel in a round: members compare
 sketches of them (sync.py) and a member found out of sync downloads the swarm's state instead.
 
@@ -40,12 +40,7 @@ import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import (
-    Float16Compression,
-    NoCompression,
-    PerTensorCompression,
-    Uniform8BitQuantization,
-)
+from hivemind.compression import Float16Compression, NoCompression, PerTensorCompression
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
@@ -53,16 +48,19 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
 from atomtrain.peer.auth import MemberGate
+from atomtrain.peer.codecs import Uniform4BitQuantization, Uniform8Bit, register
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, capped_weights
 from atomtrain.peer.sync import in_sync_flags
 
 log = logging.getLogger(__name__)
+register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
     # name: (hivemind codec, dtype of the held tensors, wire bytes per element)
     "float16": (Float16Compression(), torch.float16, 2.0),
-    "int8": (Uniform8BitQuantization(), torch.float16, 1.0),
+    "int8": (Uniform8Bit(), torch.float16, 1.0),
+    "int4": (Uniform4BitQuantization(), torch.float16, 0.5),
     "none": (NoCompression(), torch.float32, 4.0),
 }
 
