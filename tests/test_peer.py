@@ -167,6 +167,11 @@ def test_a_late_joiner_takes_the_swarms_parameters(churn):
     }
     assert (joined.group(1), joined.group(2)) in served
     assert int(joined.group(1)) >= 1
+    # its learning rate follows the swarm's schedule: no second warmup from zero
+    joiner = churn.swarm.peers[3]
+    first = next(r for r in read_metrics(joiner.run_dir / "metrics.jsonl") if "lr" in r)
+    # (its own warmup would start at 2e-4; the swarm's cosine never goes below min_lr, 3e-4)
+    assert first["lr"] >= 3e-4, first
 
 
 def test_a_restarted_peer_resumes_from_its_checkpoint_and_catches_up(churn):
@@ -247,44 +252,3 @@ def wait_for_files(root: Path, name: str, timeout_s: float = 120) -> list[Path]:
             return found
         time.sleep(0.2)
     raise TimeoutError(f"no {name} under {root}")
-
-
-def test_a_swarm_larger_than_a_group_mixes_and_its_finishers_agree(tmp_path: Path):
-    """Four peers in groups of two (as 64 peers in groups of 16): groups are reshuffled every
-    round (group bits), and at the end every finisher takes one group's result."""
-    swarm = Swarm(
-        "mix",
-        tmp_path,
-        "mix",
-        [
-            *SMALL,
-            "--train.steps=80",
-            "--peer.sync_every=5",
-            "--peer.target_group_size=2",
-            "--peer.group_bits=1",
-            "--peer.matchmaking_s=1.5",
-        ],
-        wait_for=4,
-        expected=4,
-    )
-    try:
-        addr = swarm.wait_addr(swarm.launch(0, 4, None))
-        for i in range(1, 4):
-            swarm.launch(i, 4, addr)
-        deadline = time.time() + 400
-        while swarm.running() and time.time() < deadline:
-            time.sleep(0.5)
-    finally:
-        swarm.stop()
-    assert [p.proc.returncode for p in swarm.peers] == [0] * 4
-    partners: set[str] = set()
-    for p in swarm.peers:
-        for r in read_metrics(p.run_dir / "metrics.jsonl"):
-            if "group" in r:
-                assert len(r["group"]) <= 2
-                if p.index == 0:
-                    partners.update(r["group"])
-    assert len(partners - {"mix-peer0"}) >= 2, partners  # peer 0 met more than one other peer
-    finals = [final_params(p.run_dir) for p in swarm.peers]
-    for other in finals[1:]:
-        assert max(float((finals[0][k] - other[k]).abs().max()) for k in other) <= AGREEMENT_TOL

@@ -143,12 +143,10 @@ class PeerSection:
     """Longest a round may take before it counts as failed (its progress goes with the next)."""
     state_timeout_s: float = 60.0
     """Longest a joiner waits for one download of the swarm's state (slow links need more)."""
-    target_group_size: int = 16
-    """Largest group a round forms."""
-    group_bits: int = 0
-    """Mixing for swarms larger than target_group_size (Moshpit SGD): each round splits the
-    peers into up to 2^bits groups, regrouped after every round so updates reach everyone
-    within bits + 1 rounds. Set ceil(log2(peers / target_group_size)), the same on every peer."""
+    target_group_size: int = 64
+    """Largest group a round forms. Every present peer should fit: peers in different groups
+    apply different averages and fall out of sync (a butterfly all-reduce sends each member's
+    vector about twice whatever the group's size, so large groups cost no more bandwidth)."""
     final_sync: bool = True
     """Wait for one last round at the end, so that finishing peers agree."""
     final_wait_s: float = 120.0
@@ -191,8 +189,6 @@ class PeerSection:
             )
         if self.target_group_size < 2:
             raise AtomError("peer.target_group_size must be at least 2")
-        if not 0 <= self.group_bits <= 16:
-            raise AtomError(f"peer.group_bits must be in 0..16, got {self.group_bits}")
 
     @property
     def fixed_sync_every(self) -> int:

@@ -106,7 +106,6 @@ class ProbedAverager:
         state_provider: Any,
         gate: MemberGate | None = None,
         defence: Defence | None = None,
-        group_bits: str = "",
     ) -> None:
         self.pieces = pieces
         self.timeout_s = timeout_s
@@ -142,7 +141,6 @@ class ProbedAverager:
             prefix=prefix,
             start=True,
             target_group_size=target_group_size,
-            initial_group_bits=group_bits,
             min_group_size=2,
             min_matchmaking_time=matchmaking_s,
             request_timeout=1.0,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import subprocess
 import threading
 import time
@@ -160,7 +159,6 @@ class PeerRuntime:
             self._shared_state,
             MemberGate(self.key, self.cfg.swarm),
             Defence(min_scale=self.lr * MIN_SCALE_STEPS) if self.cfg.defend else None,
-            "".join(random.choice("01") for _ in range(self.cfg.group_bits)),
         )
         self.checker = StateCheck(self)
         if resumed is not None:
