@@ -54,6 +54,9 @@ logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 PUBLISH_EVERY_S = 2.0
+P2PD_STARTUP_S = 60.0
+"""hivemind gives its p2p daemon 15 s to start; a loaded machine (or a small CPU quota) needs
+more."""
 FIRST_SYNC_EVERY = 10
 """Local steps before the first round when H is auto (nothing measured yet)."""
 AUTO_MARGIN = 1.25
@@ -191,6 +194,7 @@ class PeerRuntime:
                     host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
                     start=True,
                     authorizer=SwarmAuthorizer(self.key) if self.key else None,
+                    startup_timeout=P2PD_STARTUP_S,
                     **identity,
                 )
             except Exception as e:
