@@ -39,6 +39,19 @@ def default_call(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
     return model(x, y)
 
 
+class _Called(nn.Module):
+    """The model as `call` invokes it, so `functional_call` can swap in the outer part's device
+    copies (names gain a `model.` prefix) whatever the model's own signature."""
+
+    def __init__(self, model: nn.Module, call: ModelCall) -> None:
+        super().__init__()
+        self.model = model
+        self.call = call
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        return self.call(self.model, x, y)
+
+
 def extract_loss(out: Any) -> torch.Tensor:
     """The loss from a model's output: `(logits, loss)`, an object with `.loss`, or a dict."""
     if isinstance(out, torch.Tensor):
@@ -123,7 +136,7 @@ class SwapEngine:
         self.plan = plan
         self.cfg = cfg
         self.device = device
-        self.call = call
+        self._called = _Called(model, call)
         self.layout: BlockLayout = find_blocks(model, cfg.blocks or None)
         plan.validate(len(self.layout))
         self.dtype = getattr(torch, cfg.param_dtype)
@@ -334,9 +347,7 @@ class SwapEngine:
             self.layout.replaced(lambda i: _BlockProxy(self, i)),
             count_saved_bytes(exclude) as saved,
         ):
-            loss = extract_loss(
-                functional_call(self.model, outer, (x.to(self.device), y.to(self.device)))
-            )
+            loss = extract_loss(self._model_call(outer, x, y))
         self.memory.reserve(saved[0], "outer activations")
         try:
             (loss * weight).backward()
@@ -345,13 +356,17 @@ class SwapEngine:
         self._offload_outer_grads()
         return float(loss.detach())
 
+    def _model_call(self, outer: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        params = {f"model.{n}": t for n, t in outer.items()}
+        return functional_call(self._called, params, (x.to(self.device), y.to(self.device)))
+
     @torch.no_grad()
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The loss alone, streaming the sub-models through once."""
         outer = self._load_outer()
         try:
             with self.layout.replaced(lambda i: _BlockProxy(self, i)):
-                out = functional_call(self.model, outer, (x.to(self.device), y.to(self.device)))
+                out = self._model_call(outer, x, y)
             return float(extract_loss(out))
         finally:
             for k in list(self.resident):
