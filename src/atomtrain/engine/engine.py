@@ -184,8 +184,8 @@ class SwapEngine:
             tensors: dict[str, torch.Tensor] = dict(block.named_parameters())
             tensors.update({n: b for n, b in block.named_buffers()})
             self.host_blocks.append(tensors)
-            self.block_param_names.append(
-                {n: lay.prefix(i) + n for n, _ in block.named_parameters()}
+            self.block_param_names.append(  # frozen parameters travel like buffers
+                {n: lay.prefix(i) + n for n, p in block.named_parameters() if p.requires_grad}
             )
         self.host_outer: dict[str, torch.Tensor] = {
             n: p for n, p in self.model.named_parameters() if not self.layout.is_block_param(n)
@@ -193,7 +193,8 @@ class SwapEngine:
         self.host_outer.update(
             {n: b for n, b in self.model.named_buffers() if not self.layout.is_block_param(n)}
         )
-        self.outer_param_names = [n for n in self.host_outer if n in self.host_params]
+        trainable = {n for n, p in self.host_params.items() if p.requires_grad}
+        self.outer_param_names = [n for n in self.host_outer if n in trainable]
         self._staging: dict[int, torch.Tensor] = {}
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.block_bytes = [

@@ -101,22 +101,28 @@ def config_from_dict(values: dict[str, Any]) -> Any:
     kind = values.get("model_type")
     mapping = transformers.models.auto.configuration_auto.CONFIG_MAPPING
     if not isinstance(kind, str) or kind not in mapping:
-        raise AtomError(f"unsupported architecture: model_type {kind!r} is not one transformers knows")
+        raise AtomError(f"unsupported architecture: transformers knows no model_type {kind!r}")
     return mapping[kind].from_dict(values)
+
+
+def check_causal_lm(config: Any, where: str) -> None:
+    """One line when transformers has no causal LM for this config (an encoder, a seq2seq)."""
+    transformers = require_transformers()
+    if type(config) not in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise AtomError(
+            f"unsupported architecture in {where}: {config.model_type} "
+            "has no causal language model in transformers"
+        )
 
 
 def _causal_lm_from_config(config: Any, where: str) -> nn.Module:
     transformers = require_transformers()
+    check_causal_lm(config, where)
     config.use_cache = False
-    try:
+    with quiet_transformers():
         return transformers.AutoModelForCausalLM.from_config(
             config, attn_implementation="sdpa", dtype=torch.float32
         )
-    except ValueError as e:
-        raise AtomError(
-            f"unsupported architecture in {where}: {type(config).__name__} "
-            f"({config.model_type}) is not a causal language model ({_first_line(e)})"
-        ) from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -172,8 +178,10 @@ def load_hf(path: str | Path) -> HFCausalLM:
     try:
         config = transformers.AutoConfig.from_pretrained(root, local_files_only=True)
     except (ValueError, OSError, KeyError) as e:
-        raise AtomError(f"{root}/config.json: unsupported or unreadable config: {_first_line(e)}")
-    _causal_lm_from_config(config, str(root)).to("meta")  # architecture check, nothing allocated
+        raise AtomError(
+            f"{root}/config.json: unsupported or unreadable config: {_first_line(e)}"
+        ) from None
+    check_causal_lm(config, str(root))
     if not list(root.glob("*.safetensors")):
         raise AtomError(
             f"{root} holds no safetensors weights (use --model.hf_config for fresh weights)"

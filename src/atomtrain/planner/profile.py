@@ -198,7 +198,7 @@ def _measure_block(
         n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
         for n, t in [*block.named_parameters(), *block.named_buffers()]
     }
-    names = {n for n, _ in block.named_parameters()}
+    names = {n for n, p in block.named_parameters() if p.requires_grad}
     for n in names:
         tensors[n].requires_grad_(True)
     storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
@@ -232,7 +232,7 @@ def _measure_block(
 def _outer_tensors(
     model: nn.Module, layout: BlockLayout, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    params = {n for n, _ in model.named_parameters()}
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
     outer = {
         n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
         for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -277,7 +277,7 @@ def measure_profile(
                 )
             return x
 
-    params = {n for n, _ in model.named_parameters()}
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
     storages = {t.untyped_storage().data_ptr() for t in outer.values()}
     with layout.replaced(Capture):
 

@@ -59,17 +59,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ATOM_CACHE_DIR", Path.home() / ".cache" / "atomtrain"))
 
 
-def prepared_data(cfg: DataSection) -> TokenShards:
+def data_tokenizer(cfg: DataSection, model: ModelSection | None = None) -> str:
+    """`data.tokenizer` with `auto` resolved: the `model.hf` directory's tokenizer, else byte."""
+    if cfg.tokenizer != "auto":
+        return cfg.tokenizer
+    if model is not None and model.hf and (Path(model.hf) / "tokenizer.json").is_file():
+        return str(Path(model.hf).resolve())
+    return "byte"
+
+
+def prepared_data(cfg: DataSection, model: ModelSection | None = None) -> TokenShards:
     """The prepared shards the config names, preparing (once, cached) when it names a source."""
     if cfg.prepared:
         return TokenShards.open(cfg.prepared)
+    tokenizer = data_tokenizer(cfg, model)
     where = "" if cfg.source == "stdlib" else str(Path(cfg.source).resolve())
-    key = f"{cfg.source}|{cfg.tokenizer}|{where}"
+    kind = tokenizer
+    if tokenizer not in ("byte", "bpe"):  # a model's tokenizer: keyed by its contents
+        tok_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else tokenizer
+        try:
+            kind = "hf-" + hashlib.sha256(Path(tok_file).read_bytes()).hexdigest()[:12]
+        except OSError:
+            raise AtomError(f"data.tokenizer: cannot read {tok_file}") from None
+    key = f"{cfg.source}|{kind}|{where}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     label = "stdlib" if cfg.source == "stdlib" else Path(cfg.source).name or "data"
-    root = cache_dir() / "data" / f"{label}-{cfg.tokenizer}-{digest}"
+    root = cache_dir() / "data" / f"{label}-{kind.split('-')[0]}-{digest}"
     if not (root / "manifest.json").exists():
-        prepare(cfg.source, root, PrepareConfig(tokenizer=cfg.tokenizer), overwrite=True)
+        prepare(cfg.source, root, PrepareConfig(tokenizer=tokenizer), overwrite=True)
     return TokenShards.open(root)
 
 
@@ -122,6 +139,31 @@ def build_model(mc: GPTConfig, seed: int) -> GPT:
     return GPT(mc)
 
 
+def model_from_section(
+    cfg: ModelSection, vocab_size: int, seq_len: int, seed: int
+) -> tuple[nn.Module, dict]:
+    """The run's model and what a checkpoint records to rebuild it (`train/loading.py`)."""
+    if not (cfg.hf or cfg.hf_config):
+        mc = model_config(cfg, vocab_size, seq_len)
+        return build_model(mc, seed), {"model": mc.__dict__, "preset": cfg.preset}
+    from atomtrain.models.hf import config_to_dict, hf_from_config, load_hf
+
+    if cfg.hf and cfg.hf_config:
+        raise AtomError("set model.hf (a model directory) or model.hf_config, not both")
+    torch.manual_seed(seed)  # loading draws (and discards) an initialization
+    model = load_hf(cfg.hf) if cfg.hf else hf_from_config(cfg.hf_config, seed)
+    if vocab_size > model.config.vocab_size:
+        raise AtomError(
+            f"the data's tokenizer has {vocab_size} token ids but the model only "
+            f"{model.config.vocab_size}; prepare the data with the model's tokenizer"
+        )
+    if seq_len > model.config.block_size:
+        raise AtomError(
+            f"data.seq_len ({seq_len}) exceeds the model's context ({model.config.block_size})"
+        )
+    return model, {"model": {"kind": "hf", "config": config_to_dict(model.hf_config)}}
+
+
 def plain_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.device) -> StepRunner:
     model.to(device)
     return PlainRunner(model, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip, device)
@@ -131,7 +173,7 @@ def plain_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.dev
 class Session:
     cfg: RunConfig
     run_dir: Path
-    model: GPT
+    model: nn.Module
     shards: TokenShards
     trainer: Trainer
     resumed_from: Path | None
@@ -139,8 +181,15 @@ class Session:
     resumed_peer_state: dict | None = None
 
 
+def model_label(cfg: ModelSection) -> str:
+    """A short name for the model, for run names and titles."""
+    if cfg.hf:
+        return Path(cfg.hf).resolve().name
+    return "hf" if cfg.hf_config else cfg.preset
+
+
 def new_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
-    name = cfg.run.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.run.name or f"{model_label(cfg.model)}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.out_dir) / name
     if run_dir.exists():
         if not overwrite:
@@ -178,8 +227,10 @@ def open_session(
 ) -> Session:
     """Everything a run needs, ready for `session.trainer.fit()`."""
     device = resolve_device(cfg.run.device)
-    shards = prepared_data(cfg.data)
-    mc = model_config(cfg.model, shards.vocab_size, cfg.data.seq_len)
+    shards = prepared_data(cfg.data, cfg.model)
+    model, described = model_from_section(
+        cfg.model, shards.vocab_size, cfg.data.seq_len, cfg.train.seed
+    )
     if cfg.data.input not in ("shards", "stream"):
         raise AtomError(f"data.input must be shards or stream, got {cfg.data.input!r}")
     if cfg.data.rows % cfg.train.micro_batch_rows:
@@ -193,9 +244,8 @@ def open_session(
         ckpt = load_checkpoint(ckpt_path)  # verified before anything is touched
     else:
         run_dir = new_run_dir(cfg, overwrite)
-    model = build_model(mc, cfg.train.seed)
     params = dict(model.named_parameters())
-    opt = AdamW(params, cfg.optim)
+    opt = AdamW({n: p for n, p in params.items() if p.requires_grad}, cfg.optim)
     loader_cfg = LoaderConfig(
         rows=cfg.data.rows,
         seq_len=cfg.data.seq_len,
@@ -233,7 +283,7 @@ def open_session(
         cfg=cfg.train,
         run_dir=run_dir,
         state=state,
-        checkpoint_extra={"model": mc.__dict__, "preset": cfg.model.preset},
+        checkpoint_extra=described,
     )
     session = Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)
     if cfg.peer.swarm:
