@@ -92,14 +92,20 @@ class _BlockProxy(nn.Module):
 class _SwappedBlock(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, engine: SwapEngine, i: int, rest: tuple, kwargs: dict
+        ctx: Any,
+        x: torch.Tensor,
+        engine: SwapEngine,
+        i: int,
+        rest: tuple,
+        kwargs: dict,
+        anchor: torch.Tensor,
     ) -> torch.Tensor:
         ctx.engine, ctx.i, ctx.rest, ctx.kwargs = engine, i, rest, kwargs
         return engine._forward_block(ctx, x)
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple:
-        return ctx.engine._backward_block(ctx, gy), None, None, None, None
+        return ctx.engine._backward_block(ctx, gy), None, None, None, None, None
 
 
 class _FetchParam(torch.autograd.Function):
@@ -403,7 +409,9 @@ class SwapEngine:
                     f"block {i} takes a second input that needs a gradient; the "
                     "engine passes only the first input's gradient"
                 )
-            h = _SwappedBlock.apply(x, self, i, rest, kwargs)
+            # The anchor keeps the block in the graph when x needs no gradient (frozen
+            # embeddings or first layers): its parameters still do.
+            h = _SwappedBlock.apply(x, self, i, rest, kwargs, self._anchor)
         else:
             h = self._call(i, x, rest, kwargs)
         if i == sub.end - 1:
@@ -524,7 +532,8 @@ class SwapEngine:
                 y = self._call(i, xd, ctx.rest, ctx.kwargs)
             self.memory.reserve(work[0], f"recomputed activations of block {i}")
             try:
-                torch.autograd.backward(y, gy)
+                if y.requires_grad:  # a wholly frozen block has nothing to differentiate
+                    torch.autograd.backward(y, gy)
             finally:
                 self.memory.release(work[0])
         else:
@@ -532,7 +541,8 @@ class SwapEngine:
             ctx.kept = None
             self._unpacking_block, self._restored_bytes = i, 0
             try:
-                torch.autograd.backward(y, gy)
+                if y.requires_grad:  # a wholly frozen block has nothing to differentiate
+                    torch.autograd.backward(y, gy)
             finally:
                 self.memory.release(self._restored_bytes)
         self.memory.release(ctx.saved_bytes)
