@@ -40,6 +40,7 @@ from atomtrain.train.trainer import Trainer, TrainState
 
 if TYPE_CHECKING:
     from atomtrain.data.reuse import EchoingLoader
+    from atomtrain.models.hf import HFCausalLM
     from atomtrain.peer.runtime import PeerRuntime
 
 RunnerFactory = Callable[[nn.Module, AdamW, RunConfig, torch.device], StepRunner]
@@ -139,29 +140,41 @@ def build_model(mc: GPTConfig, seed: int) -> GPT:
     return GPT(mc)
 
 
-def model_from_section(
-    cfg: ModelSection, vocab_size: int, seq_len: int, seed: int
-) -> tuple[nn.Module, dict]:
-    """The run's model and what a checkpoint records to rebuild it (`train/loading.py`)."""
+def hf_model(cfg: ModelSection, seed: int) -> HFCausalLM | None:
+    """The transformers model the section names (None for our GPT presets)."""
     if not (cfg.hf or cfg.hf_config):
-        mc = model_config(cfg, vocab_size, seq_len)
-        return build_model(mc, seed), {"model": mc.__dict__, "preset": cfg.preset}
-    from atomtrain.models.hf import config_to_dict, hf_from_config, load_hf
+        return None
+    from atomtrain.models.hf import hf_from_config, load_hf
 
     if cfg.hf and cfg.hf_config:
         raise AtomError("set model.hf (a model directory) or model.hf_config, not both")
     torch.manual_seed(seed)  # loading draws (and discards) an initialization
-    model = load_hf(cfg.hf) if cfg.hf else hf_from_config(cfg.hf_config, seed)
-    if vocab_size > model.config.vocab_size:
+    return load_hf(cfg.hf) if cfg.hf else hf_from_config(cfg.hf_config, seed)
+
+
+def model_from_section(
+    cfg: ModelSection, vocab_size: int, seq_len: int, seed: int, hf: HFCausalLM | None = None
+) -> tuple[nn.Module, dict]:
+    """The run's model (`hf`, when already loaded) and what a checkpoint records to rebuild it
+    (`train/loading.py`)."""
+    if hf is None:
+        hf = hf_model(cfg, seed)
+    if hf is None:
+        mc = model_config(cfg, vocab_size, seq_len)
+        return build_model(mc, seed), {"model": mc.__dict__, "preset": cfg.preset}
+    from atomtrain.models.hf import config_to_dict
+
+    shape = hf.config
+    if vocab_size > shape.vocab_size:
         raise AtomError(
             f"the data's tokenizer has {vocab_size} token ids but the model only "
-            f"{model.config.vocab_size}; prepare the data with the model's tokenizer"
+            f"{shape.vocab_size}; prepare the data with the model's tokenizer"
         )
-    if seq_len > model.config.block_size:
+    if seq_len > shape.block_size:
         raise AtomError(
-            f"data.seq_len ({seq_len}) exceeds the model's context ({model.config.block_size})"
+            f"data.seq_len ({seq_len}) exceeds the model's context ({shape.block_size})"
         )
-    return model, {"model": {"kind": "hf", "config": config_to_dict(model.hf_config)}}
+    return hf, {"model": {"kind": "hf", "config": config_to_dict(hf.hf_config)}}
 
 
 def plain_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.device) -> StepRunner:
@@ -227,9 +240,10 @@ def open_session(
 ) -> Session:
     """Everything a run needs, ready for `session.trainer.fit()`."""
     device = resolve_device(cfg.run.device)
+    hf = hf_model(cfg.model, cfg.train.seed)  # a bad model directory fails before data work
     shards = prepared_data(cfg.data, cfg.model)
     model, described = model_from_section(
-        cfg.model, shards.vocab_size, cfg.data.seq_len, cfg.train.seed
+        cfg.model, shards.vocab_size, cfg.data.seq_len, cfg.train.seed, hf
     )
     if cfg.data.input not in ("shards", "stream"):
         raise AtomError(f"data.input must be shards or stream, got {cfg.data.input!r}")
