@@ -330,6 +330,7 @@ def profile_key(
     raw = json.dumps(
         [
             type(model).__name__,
+            sorted({type(m).__name__ for m in model.modules()}),  # Llama vs Mistral, same shapes
             shape,
             rows,
             seq_len,
