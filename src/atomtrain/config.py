@@ -39,10 +39,16 @@ class RunSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    """Which model: a named preset, optionally reshaped."""
+    """Which model: a named preset, optionally reshaped, or a transformers causal LM."""
 
     preset: str = "small"
-    """One of atomtrain.models.PRESETS."""
+    """One of atomtrain.models.PRESETS (unused with `hf` or `hf_config`)."""
+    hf: str = ""
+    """A local transformers model directory (config.json, safetensors weights, optionally a
+    tokenizer) to fine-tune; needs `pip install atomtrain[hf]`."""
+    hf_config: str = ""
+    """A transformers config for a model with fresh weights: a JSON file, inline JSON with a
+    `model_type`, or a bare model_type such as `llama`."""
     n_layer: int = 0
     """Blocks (0: the preset's)."""
     n_embd: int = 0
@@ -61,8 +67,9 @@ class DataSection:
     """A text file, directory, glob, or `stdlib` (the Python standard library's source)."""
     prepared: str = ""
     """A directory made by `atomtrain data prepare` (default: a cache keyed by source)."""
-    tokenizer: str = "byte"
-    """`byte` or `bpe`, when the data is prepared on the fly."""
+    tokenizer: str = "auto"
+    """When the data is prepared on the fly: `byte`, `bpe`, a directory with a tokenizer.json,
+    or `auto` (the `model.hf` directory's tokenizer when it has one, else `byte`)."""
     rows: int = 16
     """Sequences per optimizer step."""
     seq_len: int = 128

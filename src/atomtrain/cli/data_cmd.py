@@ -12,7 +12,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = dsub.add_parser("prepare", help="tokenize SRC (file, directory, glob or `stdlib`) into OUT")
     p.add_argument("src", help="a text file, a directory, a glob, or `stdlib`")
     p.add_argument("out", type=Path, help="directory for the shards and manifest.json")
-    p.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
+    p.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte, bpe (trained here), or a transformers model directory with a tokenizer.json",
+    )
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     p.add_argument("--val-fraction", type=float, default=0.02)
     p.add_argument("--overwrite", action="store_true")

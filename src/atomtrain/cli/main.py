@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     from atomtrain.cli import (
         bench_cmd,
         data_cmd,
+        export_cmd,
         plan_cmd,
         sample_cmd,
         serve_cmd,
@@ -27,7 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, swarm_cmd, sample_cmd, serve_cmd, data_cmd, plan_cmd, bench_cmd):
+    for module in (
+        train_cmd,
+        swarm_cmd,
+        sample_cmd,
+        serve_cmd,
+        data_cmd,
+        plan_cmd,
+        bench_cmd,
+        export_cmd,
+    ):
         module.register(sub)
     return parser
 

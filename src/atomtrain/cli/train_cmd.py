@@ -126,12 +126,13 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
 def _report(args: argparse.Namespace, cfg: RunConfig, session: Session) -> int:
     from atomtrain.cli.sample_cmd import sample_text
     from atomtrain.train.metrics import plot_losses
+    from atomtrain.train.session import model_label
 
     trainer = session.trainer
     plot = plot_losses(
         session.run_dir / "metrics.jsonl",
         session.run_dir / "loss.png",
-        title=f"{cfg.model.preset} on {cfg.data.source}",
+        title=f"{model_label(cfg.model)} on {cfg.data.source}",
     )
     val = trainer.evaluate()
     first = _first_val_loss(session.run_dir)

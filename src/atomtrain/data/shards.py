@@ -19,7 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from atomtrain.data.corpus import read_texts, resolve_sources
-from atomtrain.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, tokenizer_from_spec
+from atomtrain.data.tokenizer import (
+    BPETokenizer,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    tokenizer_from_spec,
+)
 from atomtrain.errors import AtomError
 
 MANIFEST = "manifest.json"
@@ -31,7 +37,8 @@ class PrepareConfig:
     """How `atomtrain data prepare` turns text into shards."""
 
     tokenizer: str = "byte"
-    """`byte` (default) or `bpe` (trained on the corpus with the tokenizers package)."""
+    """`byte` (default), `bpe` (trained on the corpus with the tokenizers package), or a
+    transformers model directory (or its `tokenizer.json`) whose tokenizer to use."""
     bpe_vocab_size: int = 4096
     """Vocabulary of a trained BPE tokenizer."""
     val_fraction: float = 0.02
@@ -55,7 +62,12 @@ def _make_tokenizer(cfg: PrepareConfig, files: list[Path]) -> Tokenizer:
         return ByteTokenizer()
     if cfg.tokenizer == "bpe":
         return BPETokenizer.train(files, cfg.bpe_vocab_size)
-    raise AtomError(f"data.tokenizer must be 'byte' or 'bpe', got {cfg.tokenizer!r}")
+    if Path(cfg.tokenizer).is_file() or (Path(cfg.tokenizer) / "tokenizer.json").is_file():
+        return HFTokenizer.from_dir(Path(cfg.tokenizer))
+    raise AtomError(
+        f"data.tokenizer must be 'byte', 'bpe' or a directory with a tokenizer.json, "
+        f"got {cfg.tokenizer!r}"
+    )
 
 
 def _encode(tok: Tokenizer, text: str) -> np.ndarray:

@@ -81,14 +81,42 @@ class BPETokenizer:
         }
 
 
+class HFTokenizer(BPETokenizer):
+    """A transformers model's own tokenizer (its `tokenizer.json`), read by `tokenizers`.
+
+    Special tokens are not added when encoding a corpus (documents are joined as they are) and
+    are left out when decoding.
+    """
+
+    @classmethod
+    def from_dir(cls, path: Path) -> HFTokenizer:
+        from tokenizers import Tokenizer as HFTok
+
+        f = path / "tokenizer.json" if path.is_dir() else path
+        try:
+            return cls(HFTok.from_file(str(f)))
+        except Exception as e:  # the tokenizers package raises its own exception types
+            raise AtomError(f"{f} is not a readable tokenizer.json: {e}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)  # type: ignore[attr-defined]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))  # type: ignore[attr-defined]
+
+    def spec(self) -> dict[str, object]:
+        return {**super().spec(), "kind": "hf"}
+
+
 def tokenizer_from_spec(spec: dict[str, object]) -> Tokenizer:
     """Rebuild the tokenizer a manifest describes."""
     kind = spec.get("kind")
     if kind == "byte":
         return ByteTokenizer()
-    if kind == "bpe" and isinstance(spec.get("json"), str):
+    if kind in ("bpe", "hf") and isinstance(spec.get("json"), str):
+        cls = HFTokenizer if kind == "hf" else BPETokenizer
         try:
-            return BPETokenizer.from_json(str(spec["json"]))
+            return cls.from_json(str(spec["json"]))
         except Exception as e:  # the tokenizers package raises its own exception types
             raise AtomError(f"manifest holds an unreadable BPE tokenizer: {e}") from e
     raise AtomError(f"manifest names an unknown tokenizer: {json.dumps(kind)}")

@@ -39,6 +39,19 @@ def default_call(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
     return model(x, y)
 
 
+class _Called(nn.Module):
+    """The model as `call` invokes it, so `functional_call` can swap in the outer part's device
+    copies (names gain a `model.` prefix) whatever the model's own signature."""
+
+    def __init__(self, model: nn.Module, call: ModelCall) -> None:
+        super().__init__()
+        self.model = model
+        self.call = call
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        return self.call(self.model, x, y)
+
+
 def extract_loss(out: Any) -> torch.Tensor:
     """The loss from a model's output: `(logits, loss)`, an object with `.loss`, or a dict."""
     if isinstance(out, torch.Tensor):
@@ -79,14 +92,20 @@ class _BlockProxy(nn.Module):
 class _SwappedBlock(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, engine: SwapEngine, i: int, rest: tuple, kwargs: dict
+        ctx: Any,
+        x: torch.Tensor,
+        engine: SwapEngine,
+        i: int,
+        rest: tuple,
+        kwargs: dict,
+        anchor: torch.Tensor,
     ) -> torch.Tensor:
         ctx.engine, ctx.i, ctx.rest, ctx.kwargs = engine, i, rest, kwargs
         return engine._forward_block(ctx, x)
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple:
-        return ctx.engine._backward_block(ctx, gy), None, None, None, None
+        return ctx.engine._backward_block(ctx, gy), None, None, None, None, None
 
 
 class _FetchParam(torch.autograd.Function):
@@ -123,7 +142,7 @@ class SwapEngine:
         self.plan = plan
         self.cfg = cfg
         self.device = device
-        self.call = call
+        self._called = _Called(model, call)
         self.layout: BlockLayout = find_blocks(model, cfg.blocks or None)
         plan.validate(len(self.layout))
         self.dtype = getattr(torch, cfg.param_dtype)
@@ -171,8 +190,8 @@ class SwapEngine:
             tensors: dict[str, torch.Tensor] = dict(block.named_parameters())
             tensors.update({n: b for n, b in block.named_buffers()})
             self.host_blocks.append(tensors)
-            self.block_param_names.append(
-                {n: lay.prefix(i) + n for n, _ in block.named_parameters()}
+            self.block_param_names.append(  # frozen parameters travel like buffers
+                {n: lay.prefix(i) + n for n, p in block.named_parameters() if p.requires_grad}
             )
         self.host_outer: dict[str, torch.Tensor] = {
             n: p for n, p in self.model.named_parameters() if not self.layout.is_block_param(n)
@@ -180,7 +199,8 @@ class SwapEngine:
         self.host_outer.update(
             {n: b for n, b in self.model.named_buffers() if not self.layout.is_block_param(n)}
         )
-        self.outer_param_names = [n for n in self.host_outer if n in self.host_params]
+        trainable = {n for n, p in self.host_params.items() if p.requires_grad}
+        self.outer_param_names = [n for n in self.host_outer if n in trainable]
         self._staging: dict[int, torch.Tensor] = {}
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.block_bytes = [
@@ -334,9 +354,7 @@ class SwapEngine:
             self.layout.replaced(lambda i: _BlockProxy(self, i)),
             count_saved_bytes(exclude) as saved,
         ):
-            loss = extract_loss(
-                functional_call(self.model, outer, (x.to(self.device), y.to(self.device)))
-            )
+            loss = extract_loss(self._model_call(outer, x, y))
         self.memory.reserve(saved[0], "outer activations")
         try:
             (loss * weight).backward()
@@ -345,13 +363,17 @@ class SwapEngine:
         self._offload_outer_grads()
         return float(loss.detach())
 
+    def _model_call(self, outer: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        params = {f"model.{n}": t for n, t in outer.items()}
+        return functional_call(self._called, params, (x.to(self.device), y.to(self.device)))
+
     @torch.no_grad()
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The loss alone, streaming the sub-models through once."""
         outer = self._load_outer()
         try:
             with self.layout.replaced(lambda i: _BlockProxy(self, i)):
-                out = functional_call(self.model, outer, (x.to(self.device), y.to(self.device)))
+                out = self._model_call(outer, x, y)
             return float(extract_loss(out))
         finally:
             for k in list(self.resident):
@@ -387,7 +409,9 @@ class SwapEngine:
                     f"block {i} takes a second input that needs a gradient; the "
                     "engine passes only the first input's gradient"
                 )
-            h = _SwappedBlock.apply(x, self, i, rest, kwargs)
+            # The anchor keeps the block in the graph when x needs no gradient (frozen
+            # embeddings or first layers): its parameters still do.
+            h = _SwappedBlock.apply(x, self, i, rest, kwargs, self._anchor)
         else:
             h = self._call(i, x, rest, kwargs)
         if i == sub.end - 1:
@@ -508,7 +532,8 @@ class SwapEngine:
                 y = self._call(i, xd, ctx.rest, ctx.kwargs)
             self.memory.reserve(work[0], f"recomputed activations of block {i}")
             try:
-                torch.autograd.backward(y, gy)
+                if y.requires_grad:  # a wholly frozen block has nothing to differentiate
+                    torch.autograd.backward(y, gy)
             finally:
                 self.memory.release(work[0])
         else:
@@ -516,7 +541,8 @@ class SwapEngine:
             ctx.kept = None
             self._unpacking_block, self._restored_bytes = i, 0
             try:
-                torch.autograd.backward(y, gy)
+                if y.requires_grad:  # a wholly frozen block has nothing to differentiate
+                    torch.autograd.backward(y, gy)
             finally:
                 self.memory.release(self._restored_bytes)
         self.memory.release(ctx.saved_bytes)

@@ -15,12 +15,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from atomtrain.engine.layout import find_blocks
+from atomtrain.engine.layout import BlockLayout, find_blocks
 from atomtrain.engine.memory import count_saved_bytes
 
 log = logging.getLogger(__name__)
@@ -163,36 +164,58 @@ def measure_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> tuple[flo
     return nbytes / h2d, nbytes / d2h
 
 
+@dataclass
+class BlockInputs:
+    """A block's call as the model's forward really makes it: the hidden state, then the other
+    positional and keyword arguments (masks, position ids, rotary embeddings, flags)."""
+
+    x: torch.Tensor
+    rest: tuple
+    kwargs: dict[str, Any]
+
+    def call(self, block: nn.Module, tensors: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+        out = functional_call(block, tensors, (x, *self.rest), self.kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _detached(value: Any, dtype: torch.dtype) -> Any:
+    """`value` with its tensors detached, floating ones at the device dtype (as the engine runs)."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        return t.to(dtype) if t.is_floating_point() else t
+    if isinstance(value, tuple | list):
+        return type(value)(_detached(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v, dtype) for k, v in value.items()}
+    return value
+
+
 def _measure_block(
-    block: nn.Module, x: torch.Tensor, dtype: torch.dtype, device: torch.device, reps: int
+    block: nn.Module, inputs: BlockInputs, dtype: torch.dtype, device: torch.device, reps: int
 ) -> BlockCost:
+    x = inputs.x
     tensors = {
         n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
         for n, t in [*block.named_parameters(), *block.named_buffers()]
     }
-    names = {n for n, _ in block.named_parameters()}
+    names = {n for n, p in block.named_parameters() if p.requires_grad}
     for n in names:
         tensors[n].requires_grad_(True)
     storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
 
-    def fwd() -> torch.Tensor:
-        out = functional_call(block, tensors, (x,))
-        return out[0] if isinstance(out, tuple) else out
-
     with torch.no_grad():
-        fwd_s = _timed(fwd, device, reps)
+        fwd_s = _timed(lambda: inputs.call(block, tensors, x), device, reps)
 
     def fwd_bwd() -> None:
-        xd = x.detach().requires_grad_()
-        y = functional_call(block, tensors, (xd,))
-        y = y[0] if isinstance(y, tuple) else y
+        y = inputs.call(block, tensors, x.detach().requires_grad_())
         y.backward(torch.ones_like(y))
         for n in names:
             tensors[n].grad = None
 
     total = _timed(fwd_bwd, device, reps)
+    # Tensors passed in (a mask) count too: the engine keeps or offloads them like any other.
     with count_saved_bytes(storages) as saved:
-        graph = functional_call(block, tensors, (x.detach().requires_grad_(),))
+        graph = inputs.call(block, tensors, x.detach().requires_grad_())
     del graph
     itemsize = torch.empty((), dtype=dtype).element_size()
     pbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -206,6 +229,21 @@ def _measure_block(
     )
 
 
+def _outer_tensors(
+    model: nn.Module, layout: BlockLayout, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
+    outer = {
+        n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if not layout.is_block_param(n)
+    }
+    for n, t in outer.items():
+        if n in params:
+            t.requires_grad_(True)
+    return outer
+
+
 def measure_profile(
     model: nn.Module,
     rows: int,
@@ -215,29 +253,33 @@ def measure_profile(
     blocks_path: str = "",
     reps: int = 3,
 ) -> ModelProfile:
-    """Time each distinct block on the device and count the bytes it saves."""
+    """Time each distinct block on the device and count the bytes it saves.
+
+    One forward of the outer part (blocks as identities) captures each block's real call, its
+    keyword arguments included, so blocks that need more than the hidden state (a Llama layer's
+    rotary `position_embeddings`, a causal mask) are measured as the model runs them.
+    """
     layout = find_blocks(model, blocks_path or None)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 256)
     idx = torch.randint(0, vocab, (rows, seq_len), device=device)
-    outer = {
-        n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
-        for n, t in [*model.named_parameters(), *model.named_buffers()]
-        if not layout.is_block_param(n)
-    }
-    first_input: list[torch.Tensor] = []
+    outer = _outer_tensors(model, layout, device, dtype)
+    captured: dict[int, BlockInputs] = {}
 
     class Capture(nn.Module):  # the outer part alone: blocks as identities
-        def forward(self, x: torch.Tensor, *a: object, **k: object) -> torch.Tensor:
-            if not first_input:
-                first_input.append(x.detach())
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.i = i
+
+        def forward(self, x: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+            if self.i not in captured:
+                captured[self.i] = BlockInputs(
+                    _detached(x, dtype), _detached(rest, dtype), _detached(kwargs, dtype)
+                )
             return x
 
-    params = {n for n, _ in model.named_parameters()}
-    for n, t in outer.items():
-        if n in params:
-            t.requires_grad_(True)
+    params = {n for n, p in model.named_parameters() if p.requires_grad}
     storages = {t.untyped_storage().data_ptr() for t in outer.values()}
-    with layout.replaced(lambda i: Capture()):
+    with layout.replaced(Capture):
 
         def outer_fwd() -> torch.Tensor:
             out = functional_call(model, outer, (idx, idx))
@@ -249,14 +291,13 @@ def measure_profile(
         with count_saved_bytes(storages) as osaved:
             loss = outer_fwd()
         del loss
-    x = first_input[0].to(dtype)
     cache: dict[str, BlockCost] = {}
     costs = []
     for i in range(len(layout)):
         block = layout.block(i)
         sig = type(block).__name__ + str([tuple(p.shape) for p in block.parameters()])
         if sig not in cache:
-            cache[sig] = _measure_block(block, x, dtype, device, reps)
+            cache[sig] = _measure_block(block, captured[i], dtype, device, reps)
         costs.append(cache[sig])
     h2d, d2h = measure_bandwidth(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -289,6 +330,7 @@ def profile_key(
     raw = json.dumps(
         [
             type(model).__name__,
+            sorted({type(m).__name__ for m in model.modules()}),  # Llama vs Mistral, same shapes
             shape,
             rows,
             seq_len,

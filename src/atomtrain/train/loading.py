@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from atomtrain.data.tokenizer import Tokenizer, tokenizer_from_spec
 from atomtrain.errors import AtomError
@@ -14,24 +15,39 @@ from atomtrain.train.checkpoint import check_matches, load_checkpoint
 from atomtrain.train.session import resolve_resume
 
 
-def load_trained(path: Path) -> tuple[GPT, Tokenizer, Path]:
+def _empty_model(described: object, ckpt_path: Path) -> nn.Module:
+    """The model a checkpoint's `state.json` describes, its weights still to be filled in."""
+    if isinstance(described, dict) and described.get("kind") == "hf":
+        from atomtrain.models.hf import config_from_dict, hf_from_config
+
+        config = described.get("config")
+        if not isinstance(config, dict):
+            raise AtomError(f"checkpoint {ckpt_path} does not describe its transformers config")
+        return hf_from_config(config_from_dict(config), where=str(ckpt_path))
+    try:
+        mc = GPTConfig(**described)  # type: ignore[arg-type]
+    except TypeError as e:
+        raise AtomError(f"checkpoint {ckpt_path} does not describe its model shape") from e
+    with torch.device("meta"):
+        model = GPT(mc)
+    model = model.to_empty(device="cpu")
+    model.lm_head.weight = model.wte.weight  # to_empty allocates tied tensors apart
+    return model
+
+
+def load_trained(path: Path) -> tuple[nn.Module, Tokenizer, Path]:
     """(model in eval mode on the CPU, tokenizer, checkpoint path) for a run or checkpoint."""
     if not path.exists():
         raise AtomError(f"{path} does not exist")
     run_dir, ckpt_path = resolve_resume(path)
     ckpt = load_checkpoint(ckpt_path)
-    try:
-        mc = GPTConfig(**ckpt.state["model"])
-    except (KeyError, TypeError) as e:
-        raise AtomError(f"checkpoint {ckpt_path} does not describe its model shape") from e
+    if "model" not in ckpt.state:
+        raise AtomError(f"checkpoint {ckpt_path} does not describe its model shape")
     try:
         spec = json.loads((run_dir / "tokenizer.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise AtomError(f"{run_dir}/tokenizer.json is missing or unreadable") from e
-    with torch.device("meta"):
-        model = GPT(mc)
-    model = model.to_empty(device="cpu")
-    model.lm_head.weight = model.wte.weight  # to_empty allocates tied tensors apart
+    model = _empty_model(ckpt.state["model"], ckpt_path)
     params = dict(model.named_parameters())
     check_matches(ckpt, params)
     with torch.no_grad():

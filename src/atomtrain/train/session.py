@@ -40,6 +40,7 @@ from atomtrain.train.trainer import Trainer, TrainState
 
 if TYPE_CHECKING:
     from atomtrain.data.reuse import EchoingLoader
+    from atomtrain.models.hf import HFCausalLM
     from atomtrain.peer.runtime import PeerRuntime
 
 RunnerFactory = Callable[[nn.Module, AdamW, RunConfig, torch.device], StepRunner]
@@ -59,17 +60,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ATOM_CACHE_DIR", Path.home() / ".cache" / "atomtrain"))
 
 
-def prepared_data(cfg: DataSection) -> TokenShards:
+def data_tokenizer(cfg: DataSection, model: ModelSection | None = None) -> str:
+    """`data.tokenizer` with `auto` resolved: the `model.hf` directory's tokenizer, else byte."""
+    if cfg.tokenizer != "auto":
+        return cfg.tokenizer
+    if model is not None and model.hf and (Path(model.hf) / "tokenizer.json").is_file():
+        return str(Path(model.hf).resolve())
+    return "byte"
+
+
+def prepared_data(cfg: DataSection, model: ModelSection | None = None) -> TokenShards:
     """The prepared shards the config names, preparing (once, cached) when it names a source."""
     if cfg.prepared:
         return TokenShards.open(cfg.prepared)
+    tokenizer = data_tokenizer(cfg, model)
     where = "" if cfg.source == "stdlib" else str(Path(cfg.source).resolve())
-    key = f"{cfg.source}|{cfg.tokenizer}|{where}"
+    kind = tokenizer
+    if tokenizer not in ("byte", "bpe"):  # a model's tokenizer: keyed by its contents
+        tok_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else tokenizer
+        try:
+            kind = "hf-" + hashlib.sha256(Path(tok_file).read_bytes()).hexdigest()[:12]
+        except OSError:
+            raise AtomError(f"data.tokenizer: cannot read {tok_file}") from None
+    key = f"{cfg.source}|{kind}|{where}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     label = "stdlib" if cfg.source == "stdlib" else Path(cfg.source).name or "data"
-    root = cache_dir() / "data" / f"{label}-{cfg.tokenizer}-{digest}"
+    root = cache_dir() / "data" / f"{label}-{kind.split('-')[0]}-{digest}"
     if not (root / "manifest.json").exists():
-        prepare(cfg.source, root, PrepareConfig(tokenizer=cfg.tokenizer), overwrite=True)
+        prepare(cfg.source, root, PrepareConfig(tokenizer=tokenizer), overwrite=True)
     return TokenShards.open(root)
 
 
@@ -124,6 +142,43 @@ def build_model(mc: GPTConfig, seed: int) -> GPT:
     return GPT(mc)
 
 
+def hf_model(cfg: ModelSection, seed: int) -> HFCausalLM | None:
+    """The transformers model the section names (None for our GPT presets)."""
+    if not (cfg.hf or cfg.hf_config):
+        return None
+    from atomtrain.models.hf import hf_from_config, load_hf
+
+    if cfg.hf and cfg.hf_config:
+        raise AtomError("set model.hf (a model directory) or model.hf_config, not both")
+    torch.manual_seed(seed)  # loading draws (and discards) an initialization
+    return load_hf(cfg.hf) if cfg.hf else hf_from_config(cfg.hf_config, seed)
+
+
+def model_from_section(
+    cfg: ModelSection, vocab_size: int, seq_len: int, seed: int, hf: HFCausalLM | None = None
+) -> tuple[nn.Module, dict]:
+    """The run's model (`hf`, when already loaded) and what a checkpoint records to rebuild it
+    (`train/loading.py`)."""
+    if hf is None:
+        hf = hf_model(cfg, seed)
+    if hf is None:
+        mc = model_config(cfg, vocab_size, seq_len)
+        return build_model(mc, seed), {"model": mc.__dict__, "preset": cfg.preset}
+    from atomtrain.models.hf import config_to_dict
+
+    shape = hf.config
+    if vocab_size > shape.vocab_size:
+        raise AtomError(
+            f"the data's tokenizer has {vocab_size} token ids but the model only "
+            f"{shape.vocab_size}; prepare the data with the model's tokenizer"
+        )
+    if seq_len > shape.block_size:
+        raise AtomError(
+            f"data.seq_len ({seq_len}) exceeds the model's context ({shape.block_size})"
+        )
+    return hf, {"model": {"kind": "hf", "config": config_to_dict(hf.hf_config)}}
+
+
 def plain_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.device) -> StepRunner:
     model.to(device)
     return PlainRunner(model, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip, device)
@@ -133,7 +188,7 @@ def plain_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.dev
 class Session:
     cfg: RunConfig
     run_dir: Path
-    model: GPT
+    model: nn.Module
     shards: TokenShards
     trainer: Trainer
     resumed_from: Path | None
@@ -141,8 +196,15 @@ class Session:
     resumed_peer_state: dict | None = None
 
 
+def model_label(cfg: ModelSection) -> str:
+    """A short name for the model, for run names and titles."""
+    if cfg.hf:
+        return Path(cfg.hf).resolve().name
+    return "hf" if cfg.hf_config else cfg.preset
+
+
 def new_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
-    name = cfg.run.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.run.name or f"{model_label(cfg.model)}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.out_dir) / name
     if run_dir.exists():
         if not overwrite:
@@ -180,8 +242,11 @@ def open_session(
 ) -> Session:
     """Everything a run needs, ready for `session.trainer.fit()`."""
     device = resolve_device(cfg.run.device)
-    shards = prepared_data(cfg.data)
-    mc = model_config(cfg.model, shards.vocab_size, cfg.data.seq_len)
+    hf = hf_model(cfg.model, cfg.train.seed)  # a bad model directory fails before data work
+    shards = prepared_data(cfg.data, cfg.model)
+    model, described = model_from_section(
+        cfg.model, shards.vocab_size, cfg.data.seq_len, cfg.train.seed, hf
+    )
     if cfg.data.input not in ("shards", "stream"):
         raise AtomError(f"data.input must be shards or stream, got {cfg.data.input!r}")
     if cfg.data.rows % cfg.train.micro_batch_rows:
@@ -195,9 +260,8 @@ def open_session(
         ckpt = load_checkpoint(ckpt_path)  # verified before anything is touched
     else:
         run_dir = new_run_dir(cfg, overwrite)
-    model = build_model(mc, cfg.train.seed)
     params = dict(model.named_parameters())
-    opt = AdamW(params, cfg.optim)
+    opt = AdamW({n: p for n, p in params.items() if p.requires_grad}, cfg.optim)
     index, num_peers = data_slice(cfg, run_dir)
     loader_cfg = LoaderConfig(
         rows=cfg.data.rows,
@@ -242,7 +306,7 @@ def open_session(
         cfg=cfg.train,
         run_dir=run_dir,
         state=state,
-        checkpoint_extra={"model": mc.__dict__, "preset": cfg.model.preset},
+        checkpoint_extra=described,
     )
     session = Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)
     if cfg.peer.swarm:
