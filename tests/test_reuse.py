@@ -115,10 +115,11 @@ def test_training_from_a_slow_stream_reports_the_echo_factor(
     proc = run_cli(
         "train",
         *TINY,
-        "--train.steps=20",
+        "--train.steps=12",
         f"--data.prepared={prepared}",
         f"--data.source={corpus_dir}",
-        "--input-rate=4000",
+        # ~2 s a batch: slower than a step of the tiny model even on a crowded machine
+        "--input-rate=400",
         "--name=s",
         "--no-sample",
         cwd=tmp_path,

@@ -49,9 +49,9 @@ class ReuseBenchConfig:
     """Text the runs stream (validation documents held out as `atomtrain data prepare` does)."""
     input_slowdown: float = 4.0
     """Upstream time per batch over the measured step time."""
-    target_step: int = 250
+    target_step: int = 150
     """Step of the full-speed runs whose (median) validation loss is the target."""
-    budget_factor: float = 1.4
+    budget_factor: float = 1.2
     """Each slowed run trains this many times the time `target_step` fresh batches take to
     arrive, so that the run without reuse reaches the target and both show a final loss."""
     seeds: int = 3

@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--steps",
         type=int,
         default=None,
-        help="the target is the loss full-speed runs reach at this step (default 250)",
+        help="the target is the loss full-speed runs reach at this step (default 150)",
     )
     r.add_argument("--seeds", type=int, default=3)
     r.add_argument("--max-echo", type=int, default=4)
