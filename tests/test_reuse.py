@@ -130,9 +130,10 @@ def test_training_from_a_slow_stream_reports_the_echo_factor(
 
 
 def test_echoes_the_model_has_learnt_are_dropped_then_tried_again(corpus_dir: Path):
-    # upstream far slower than these instant steps: every fresh batch may have 3 echoes
+    # upstream (0.1 s a batch) far slower than these instant steps, even in a starved process:
+    # every fresh batch may have 3 echoes
     ld = EchoingLoader(
-        source(corpus_dir, rate=batch_tokens() / 0.01),
+        source(corpus_dir, rate=batch_tokens() / 0.1),
         ReuseConfig(max_echo=4, seq_len=SEQ, gap_window=4, recover_fresh=6),
     )
 

@@ -34,7 +34,7 @@ class ReuseConfig:
     """Reuse when upstream is late (off: always wait for upstream)."""
     max_echo: int = 4
     """Most uses of one fresh batch (the upper bound of the echo factor)."""
-    buffer_batches: int = 4
+    buffer_batches: int = 16
     """Recent upstream batches whose rows reuse draws from."""
     seq_len: int = 128
     """Training window; upstream chunks are longer by the slack offsets come from."""
