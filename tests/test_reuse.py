@@ -1,7 +1,9 @@
 """Streaming input and data echoing: adaptive, never back to back, lossless, resumable."""
 
 import itertools
+import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -113,10 +115,11 @@ def test_training_from_a_slow_stream_reports_the_echo_factor(
     proc = run_cli(
         "train",
         *TINY,
-        "--train.steps=20",
+        "--train.steps=12",
         f"--data.prepared={prepared}",
         f"--data.source={corpus_dir}",
-        "--input-rate=4000",
+        # ~2 s a batch: slower than a step of the tiny model even on a crowded machine
+        "--input-rate=400",
         "--name=s",
         "--no-sample",
         cwd=tmp_path,
@@ -124,3 +127,67 @@ def test_training_from_a_slow_stream_reports_the_echo_factor(
     assert proc.returncode == 0, proc.stderr
     records = [r for r in read_metrics(tmp_path / "runs/s/metrics.jsonl") if "loss" in r]
     assert all("echo" in r for r in records) and records[-1]["echo"] > 1.0
+
+
+def test_echoes_the_model_has_learnt_are_dropped_then_tried_again(corpus_dir: Path):
+    # upstream (0.1 s a batch) far slower than these instant steps, even in a starved process:
+    # every fresh batch may have 3 echoes
+    ld = EchoingLoader(
+        source(corpus_dir, rate=batch_tokens() / 0.1),
+        ReuseConfig(max_echo=4, seq_len=SEQ, gap_window=4, recover_fresh=6),
+    )
+
+    def train(n: int, echo_gap: float) -> list[bool]:
+        kinds = []
+        for _ in range(n):
+            before = ld.fresh
+            ld.next_batch()
+            fresh = ld.fresh > before
+            ld.record_loss(3.0 if fresh else 3.0 + echo_gap)  # echoes as the model sees them
+            kinds.append(fresh)
+        return kinds
+
+    def echo_share(kinds: list[bool]) -> float:
+        return 1 - sum(kinds) / len(kinds)
+
+    assert echo_share(train(40, -0.05)) > 0.6  # echoes nearly as hard as fresh: all are kept
+    assert ld.cap == 4
+    train(30, -1.0)  # echoes far easier than fresh batches: learnt by heart
+    # the cap falls to 1 (only fresh batches) and is probed at 2 now and then
+    assert ld.cap <= 2 and echo_share(train(40, -1.0)) < 0.35
+    assert echo_share(train(60, -0.05)) > 0.4  # worth it again: the cap rises back
+    assert ld.cap == 4 and ld.state_dict()["cap"] == 4
+    ld.close()
+
+
+def test_bench_reuse_quick_reports_medians_over_seeds(corpus_dir: Path, tmp_path: Path):
+    proc = run_cli(
+        "bench", "reuse", "--quick", "--json", f"--source={corpus_dir}", cwd=tmp_path, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["seeds"] == [0, 1, 2] and len(out["per_seed"]) == 3
+    # the target was fixed from the full-speed runs, before the slowed ones
+    assert out["target_loss"] == statistics.median(out["target_losses_per_seed"])
+    assert out["target_loss"] < math.log(256)  # below a model that knows nothing
+    speedups = []
+    for s in out["per_seed"]:
+        assert s["steps_reuse"] > s["steps_no_reuse"] > 0  # reuse kept the device busier
+        assert s["echo_factor"] > 1.0
+        assert math.isfinite(s["final_loss_reuse"]) and math.isfinite(s["final_loss_no_reuse"])
+        if s["speedup"] is not None:
+            want = s["no_reuse_time_to_target_s"] / s["reuse_time_to_target_s"]
+            assert s["speedup"] == want
+            speedups.append(want)
+    assert out["seeds_reached"] == len(speedups)
+    if speedups:
+        assert out["speedup_median"] == statistics.median(speedups)
+        assert out["speedup_min"] == min(speedups)
+    want_diff = (out["final_loss_reuse"] - out["final_loss_no_reuse"]) / out["final_loss_no_reuse"]
+    assert out["final_loss_rel_diff"] == want_diff
+
+
+def test_bench_reuse_rejects_a_bad_flag_in_one_line(tmp_path: Path):
+    proc = run_cli("bench", "reuse", "--seeds=0", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--seeds" in proc.stderr and "Traceback" not in proc.stderr

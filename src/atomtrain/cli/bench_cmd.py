@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import replace
@@ -52,8 +53,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = bsub.add_parser("reuse", help="data echoing against waiting for a slow input pipeline")
     r.add_argument("--json", action="store_true", help="print only the JSON result")
     r.add_argument("--input-slowdown", type=float, default=4.0)
-    r.add_argument("--steps", type=int, default=300)
+    r.add_argument(
+        "--target-step",
+        "--steps",
+        type=int,
+        default=None,
+        help="the target is the loss full-speed runs reach at this step (default 150)",
+    )
+    r.add_argument("--seeds", type=int, default=3)
     r.add_argument("--max-echo", type=int, default=4)
+    r.add_argument("--quick", action="store_true", help="a small run (tests)")
+    r.add_argument("--source", default="stdlib", help="text to stream: a file, directory, glob")
     r.set_defaults(func=run_reuse)
 
     q = bsub.add_parser("preempt", help="inference latency beside training, with preemption")
@@ -139,10 +149,20 @@ def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
 
 def run_reuse(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.bench.reuse import ReuseBenchConfig, run_reuse_bench
+    from atomtrain.errors import AtomError
 
-    cfg = ReuseBenchConfig(
-        input_slowdown=args.input_slowdown, steps=args.steps, max_echo=args.max_echo
-    )
+    cfg = ReuseBenchConfig.quick() if args.quick else ReuseBenchConfig()
+    target_step = cfg.target_step if args.target_step is None else args.target_step
+    if args.input_slowdown < 1 or target_step < 1 or args.seeds < 1 or args.max_echo < 1:
+        raise AtomError("--input-slowdown, --target-step, --seeds and --max-echo must be >= 1")
+    explicit = {
+        "target_step": target_step,
+        "input_slowdown": args.input_slowdown,
+        "seeds": args.seeds,
+        "max_echo": args.max_echo,
+        "source": args.source,
+    }
+    cfg = dataclasses.replace(cfg, **explicit)
     _emit(run_reuse_bench(cfg), args.json)
     return 0
 

@@ -35,7 +35,7 @@ class StreamConfig:
     """Upper bound on the tokens the stream delivers per second (0: as fast as it can)."""
     prefetch: int = 2
     """Batches tokenized ahead."""
-    interleave: int = 8
+    interleave: int = 64
     """Files read at once, rows taken from each in turn, so a batch mixes documents."""
 
 

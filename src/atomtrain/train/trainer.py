@@ -98,6 +98,9 @@ class Trainer:
         with self.step_context():
             out = self.runner.train_step(x, y, lr)
         out["step_s"] = time.perf_counter() - t0  # compute time: busy fraction = sum / wall
+        record_loss = getattr(self.loader, "record_loss", None)
+        if record_loss is not None:  # data echoing weighs what its echoes are still worth
+            record_loss(out["loss"])
         if not math.isfinite(out["grad_norm"]):
             log.warning("step %d: non-finite gradient norm, update skipped", self.state.step)
         self.state.step += 1
