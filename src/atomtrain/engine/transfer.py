@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ class Loaded:
     blocks: list[dict[str, torch.Tensor]]
     nbytes: int
     ready: torch.cuda.Event | None = None
+    gate_wait_s: float = 0.0
+    """Seconds the copy waited for its gate (the optimizer step writing its source)."""
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -71,9 +74,10 @@ class Copier:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        dtype = self.dtype if t.is_floating_point() else t.dtype
-        # copy=True: on the CPU the "device" copy must be a buffer of its own, as on a GPU.
-        return t.detach().to(self.device, dtype=dtype, non_blocking=True, copy=True)
+        # The engine hands over sources already at the device dtype (staged parameters,
+        # buffers as they are). copy=True: on the CPU the "device" copy must be a buffer of
+        # its own, as on a GPU.
+        return t.detach().to(self.device, non_blocking=True, copy=True)
 
     def load(
         self,
@@ -85,11 +89,13 @@ class Copier:
         started = threading.Event()
 
         def work() -> Loaded:
+            t0 = time.perf_counter()
             try:
                 if before is not None:
                     before()  # e.g. wait for this sub-model's optimizer step
                 self.trace.record("load_start", k)
             finally:
+                gate_s = time.perf_counter() - t0
                 started.set()
             ready = None
             if self.stream is not None:
@@ -100,7 +106,7 @@ class Copier:
             else:
                 blocks = [{n: self._to_device(t) for n, t in b.items()} for b in host]
             self.trace.record("load_end", k)
-            return Loaded(blocks, nbytes, ready)
+            return Loaded(blocks, nbytes, ready, gate_s)
 
         fut = self.pool.submit(work)
         started.wait()

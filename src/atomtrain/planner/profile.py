@@ -219,6 +219,9 @@ def measure_profile(
     layout = find_blocks(model, blocks_path or None)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 256)
     idx = torch.randint(0, vocab, (rows, seq_len), device=device)
+    tgt = torch.randint(
+        0, vocab, (rows, seq_len), device=device
+    )  # saved apart from idx, as in training
     outer = {
         n: t.detach().to(device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
         for n, t in [*model.named_parameters(), *model.named_buffers()]
@@ -240,7 +243,7 @@ def measure_profile(
     with layout.replaced(lambda i: Capture()):
 
         def outer_fwd() -> torch.Tensor:
-            out = functional_call(model, outer, (idx, idx))
+            out = functional_call(model, outer, (idx, tgt))
             return out[1] if isinstance(out, tuple) else out.loss
 
         with torch.no_grad():
