@@ -1,9 +1,9 @@
 """AdamW over named host tensors, steppable a subset at a time.
 
-The swap engine steps each sub-model's parameters as soon as their gradients are final, while the
-plain trainer steps all at once; both go through this one implementation (torch's fused AdamW
-kernel, the update of torch.optim.AdamW(fused=True)), so the two paths agree bit for bit. State is keyed by
-parameter name, so a checkpoint written by one path resumes in the other.
+The swap engine steps each sub-model's parameters once the step is validated, while the plain
+trainer steps all at once; both go through this one implementation (torch's fused AdamW kernel,
+the update of torch.optim.AdamW(fused=True)), so the two paths agree bit for bit. State is keyed
+by parameter name, so a checkpoint written by one path resumes in the other.
 """
 
 from __future__ import annotations
