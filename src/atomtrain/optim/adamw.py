@@ -77,9 +77,10 @@ class AdamW:
         scale = None
         if grad_scale != 1.0:  # the kernel divides each gradient by this
             scale = torch.tensor(1.0 / grad_scale, dtype=torch.float32, device=device)
+        grads = [p.grad for p in params if p.grad is not None]  # all of them: checked in step
         torch._fused_adamw_(
             params,
-            [p.grad for p in params],
+            grads,
             [st["exp_avg"] for st in states],
             [st["exp_avg_sq"] for st in states],
             [],
@@ -111,7 +112,7 @@ class AdamW:
                 )
             like = self.params[name]
             state.setdefault(name, {})[field] = (
-                value.to(torch.float32, device=like.device)
+                value.to(device=like.device, dtype=torch.float32)
                 if field == "step"
                 else value.to(like.dtype).clone()
             )
