@@ -45,6 +45,7 @@ from atomtrain.engine.memory import DeviceMemory, count_saved_bytes, tensor_byte
 from atomtrain.engine.plan import ExecutionPlan, Policy
 from atomtrain.engine.transfer import Copier, Loaded, Trace
 from atomtrain.errors import AtomError
+from atomtrain.optim.scaler import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,10 @@ class SwapEngine:
         self.cfg = cfg
         self.device = device
         self.call = call
+        if cfg.precision not in PRECISIONS:
+            raise AtomError(
+                f"engine.precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}"
+            )
         self.layout: BlockLayout = find_blocks(model, cfg.blocks or None)
         plan.validate(len(self.layout))
         self.dtype = getattr(torch, cfg.param_dtype)

@@ -12,7 +12,7 @@ from atomtrain.engine.engine import EngineConfig, SwapEngine
 from atomtrain.engine.plan import ExecutionPlan, Policy
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.errors import AtomError
-from atomtrain.optim import AdamW
+from atomtrain.optim import AdamW, LossScaler
 from atomtrain.planner.partition import parse_bytes, plan_dp, predict
 from atomtrain.planner.profile import cached_profile
 
@@ -66,6 +66,7 @@ def check_engine_section(ec: EngineSection) -> None:
         raise AtomError(
             f"engine.param_dtype must be one of {', '.join(DTYPES)}, got {ec.param_dtype!r}"
         )
+    LossScaler.for_precision(ec.precision)  # a one-line error for an unknown precision
     if ec.submodels < 0 or ec.max_blocks_per_submodel < 1:
         raise AtomError("engine.submodels must be >= 0 and engine.max_blocks_per_submodel >= 1")
 
@@ -75,7 +76,8 @@ def swap_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.devi
     check_engine_section(cfg.engine)
     budget = parse_bytes(cfg.engine.device_memory)
     plan = choose_plan(model, cfg, device)
+    ec = cfg.engine
     engine = SwapEngine(
-        model, plan, EngineConfig(budget, cfg.engine.param_dtype, cfg.engine.blocks), device
+        model, plan, EngineConfig(budget, ec.param_dtype, ec.blocks, ec.precision), device
     )
     return SwapRunner(engine, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip)
