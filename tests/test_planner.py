@@ -119,3 +119,17 @@ def test_the_prediction_counts_the_outer_part_and_the_shared_link():
     assert c1.restore_s > 0
     # sub-model 1's backward slot: the load of sub-model 0 and its own restore, one after another
     assert off.step_s >= c2.load_s + c1.restore_s
+
+
+def test_host_memory_is_checked_with_a_one_line_answer():
+    from atomtrain.planner.host import HostSpec, check_host_memory, host_memory_line
+
+    cfg = GPTConfig.from_name("gpt3-175b")
+    prof = analytic_profile(cfg, 1, 2048, DeviceSpec(80 * 10**9))
+    plan = ExecutionPlan.even(len(prof.blocks), len(prof.blocks), Policy.OFFLOAD)
+    small = HostSpec(512 * 10**9, device_itemsize=2)
+    line = host_memory_line(prof, plan, small)
+    assert "\n" not in line and "short" in line and "AdamW" in line
+    with pytest.raises(AtomError, match=r"host memory: needs 2\.9 TiB .* short"):
+        check_host_memory(prof, plan, small)
+    check_host_memory(prof, plan, HostSpec(4 * 10**12, device_itemsize=2))  # fits: no error

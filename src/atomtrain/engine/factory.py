@@ -13,6 +13,7 @@ from atomtrain.engine.plan import ExecutionPlan, Policy
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.errors import AtomError
 from atomtrain.optim import AdamW, LossScaler
+from atomtrain.planner.host import HostSpec, check_host_memory, machine_memory_bytes
 from atomtrain.planner.partition import parse_bytes, plan_dp, predict
 from atomtrain.planner.profile import cached_profile
 
@@ -48,6 +49,8 @@ def choose_plan(model: nn.Module, cfg: RunConfig, device: torch.device) -> Execu
     )
     plan = plan_dp(prof, budget, micro_batches, ec.max_blocks_per_submodel)
     pred = predict(prof, plan, micro_batches)
+    itemsize = torch.empty((), dtype=DTYPES[ec.param_dtype]).element_size()
+    check_host_memory(prof, plan, HostSpec(machine_memory_bytes(), device_itemsize=itemsize))
     log.info(
         "plan: %s, %d micro-batches per load; predicted step %.3fs (bound %.3fs), "
         "peak %d of %d bytes",
