@@ -282,3 +282,27 @@ def test_the_accounted_peak_is_the_same_on_every_run():
 
 def test_budget_exceeded_is_an_atom_error():
     assert issubclass(BudgetExceeded, AtomError)
+
+
+def test_gradient_copies_reuse_a_bounded_pool_and_the_host_gradients():
+    model = gpt()
+    engine = SwapEngine(model, MIXED_6, EngineConfig(budget_bytes=BIG), CPU)
+    runner = SwapRunner(engine, AdamW(dict(model.named_parameters()), AdamWConfig()), 4, 1.0)
+    runner.train_step(*batches(1)[0], lr=1e-3)
+    runner.sync()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for x, y in batches(2):
+        runner.train_step(x, y, lr=1e-3)
+    runner.close()
+    assert engine.grad_pool._made <= engine.grad_pool.count == 2
+    assert all(p.grad is grads[n] for n, p in model.named_parameters())  # written in place
+
+
+MIXED_6 = ExecutionPlan(
+    (
+        SubModel(0, 2, Policy.KEEP),
+        SubModel(2, 3, Policy.OFFLOAD),
+        SubModel(3, 4, Policy.RECOMPUTE),
+        SubModel(4, 6, Policy.OFFLOAD),
+    )
+)

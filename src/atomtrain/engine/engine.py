@@ -43,7 +43,7 @@ from atomtrain.engine.blocks import (
 from atomtrain.engine.layout import BlockLayout, find_blocks
 from atomtrain.engine.memory import DeviceMemory, count_saved_bytes, tensor_bytes
 from atomtrain.engine.plan import ExecutionPlan, Policy
-from atomtrain.engine.transfer import Copier, Loaded, Trace
+from atomtrain.engine.transfer import Copier, Loaded, PinnedPool, Trace, copy_grads_to_host
 from atomtrain.errors import AtomError
 from atomtrain.optim.scaler import PRECISIONS
 
@@ -112,6 +112,11 @@ class SwapEngine:
         self.offloader = ThreadPoolExecutor(1, thread_name_prefix="atom-offload")
         self.d2h_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._index_model()
+        # Gradient staging: two buffers, each the largest block's gradients, so one fills
+        # while the other is accumulated into the host `.grad`.
+        self.grad_pool = PinnedPool(
+            max(1, max(self.block_grad_bytes, default=1)), 2, device.type == "cuda"
+        )
         self.resident: dict[int, Loaded] = {}
         self.pending: dict[int, Future[Loaded]] = {}
         self.gates: dict[int, Future] = {}
@@ -234,7 +239,7 @@ class SwapEngine:
             loaded = fut.result()
             # Of the wait, what the load itself spent waiting for the optimizer.
             self.gate_wait_s += min(time.perf_counter() - t0, loaded.gate_wait_s)
-            loaded.wait()
+            loaded.wait(self.device)
             sub = self.plan.submodels[k]
             for j, i in enumerate(sub.blocks):
                 for local in self.block_param_names[i]:
@@ -437,7 +442,7 @@ class SwapEngine:
                 return ("param", (self._local_of(i, t), view))
             if offload is not None:  # one host copy per storage, however many views
                 if ptr not in offload.host:
-                    offload.host[ptr] = storage_bytes(t).to("cpu", copy=True)
+                    offload.host[ptr] = self._copy_to_host(storage_bytes(t))
                     # Held until the block's forward ends, so that no later tensor of this
                     # forward reuses the address and is taken for a view of this one.
                     alive.append(t.untyped_storage())
@@ -474,7 +479,7 @@ class SwapEngine:
         ptr, dtype, view = value
         restored = offload.restored.get(ptr)
         if restored is None:  # the storage comes back once, shared by its views
-            restored = offload.host[ptr].to(self.device, copy=True)
+            restored = offload.host[ptr].result().to(self.device, copy=True)
             nbytes = restored.numel()
             self.memory.reserve(nbytes, f"restored activations of block {i}")
             offload.restored_bytes += nbytes
@@ -555,26 +560,30 @@ class SwapEngine:
         ready = None
         if self.d2h_stream is not None:
             ready = torch.cuda.Event()
-            ready.record()
-        first = self._first_pass
+            ready.record(torch.cuda.current_stream(self.device))
+        args = (pairs, self.grad_pool, self._first_pass, self.d2h_stream, ready)
+        self._grad_futures[k].append(self.offloader.submit(copy_grads_to_host, *args))
 
-        def work() -> None:
-            if ready is not None and self.d2h_stream is not None:
-                self.d2h_stream.wait_event(ready)
-                with torch.cuda.stream(self.d2h_stream):
-                    host = [
-                        (h, g.to("cpu", dtype=torch.float32, non_blocking=True)) for h, g in pairs
-                    ]
-                self.d2h_stream.synchronize()
-            else:
-                host = [(h, g.to(torch.float32)) for h, g in pairs]
-            for h, g in host:
-                if first or h.grad is None:
-                    h.grad = g
-                else:
-                    h.grad.add_(g)
+    def _copy_to_host(self, src: torch.Tensor) -> Future[torch.Tensor]:
+        """An offloaded activation's copy to host memory, on the copy thread (and on CUDA its
+        own stream, into pinned memory), so the forward goes on meanwhile. The closure holds
+        `src` until the copy is done."""
+        ready = None
+        if self.d2h_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
 
-        self._grad_futures[k].append(self.offloader.submit(work))
+        def work() -> torch.Tensor:
+            if ready is None or self.d2h_stream is None:
+                return src.to("cpu", copy=True)
+            self.d2h_stream.wait_event(ready)
+            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            with torch.cuda.stream(self.d2h_stream):
+                host.copy_(src, non_blocking=True)
+            self.d2h_stream.synchronize()
+            return host
+
+        return self.offloader.submit(work)
 
     def _autocast(self) -> Any:
         """The forward's autocast, also around a recompute (which runs in the backward)."""
