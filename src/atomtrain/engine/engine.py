@@ -303,11 +303,14 @@ class SwapEngine:
             g = self._outer_dev[n].grad
             self._outer_dev[n].grad = None
             if g is not None:
-                self._accumulate(self.host_params[n], g.to("cpu", dtype=torch.float32))
+                self._accumulate(self.host_params[n], g)
 
     def _accumulate(self, host: torch.Tensor, g: torch.Tensor) -> None:
-        if self._first_pass or host.grad is None:
-            host.grad = g if g.dtype == host.dtype and g.device == host.device else g.to(host)
+        if host.grad is None:
+            host.grad = torch.empty_like(host)
+            host.grad.copy_(g)
+        elif self._first_pass:
+            host.grad.copy_(g)  # in place: the host gradient is allocated once
         else:
             host.grad.add_(g)
 
