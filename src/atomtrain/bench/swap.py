@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from atomtrain.engine.engine import EngineConfig, SwapEngine
-from atomtrain.engine.factory import DTYPES
+from atomtrain.engine.factory import DTYPES, gpu_reserve
 from atomtrain.engine.plan import Policy
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.models import GPT, GPTConfig
@@ -108,12 +108,13 @@ def run_swap_bench(cfg: SwapBenchConfig) -> dict:
     prof = measure_profile(host_model, cfg.rows, cfg.seq_len, device, dtype)
     need = resident_need(prof, cfg.micro_batches)
     budget = cfg.budget_bytes or int(need * cfg.budget_fraction)
-    plan = plan_dp(prof, budget, cfg.micro_batches)
+    reserve = gpu_reserve(budget, device)
+    plan = plan_dp(prof, budget - reserve, cfg.micro_batches)
     pred = predict(prof, plan, cfg.micro_batches)
     engine = SwapEngine(
         host_model,
         plan,
-        EngineConfig(budget, cfg.param_dtype, precision=cfg.precision),
+        EngineConfig(budget, cfg.param_dtype, reserve_bytes=reserve, precision=cfg.precision),
         device,
     )
     total_rows = cfg.rows * cfg.micro_batches
@@ -159,11 +160,14 @@ def run_swap_bench(cfg: SwapBenchConfig) -> dict:
     losses: dict[str, list[float]] = {"plain": [], "swap": []}
     runners: dict[str, PlainRunner | SwapRunner] = {"plain": plain, "swap": swap}
     cursor = {"plain": 0, "swap": 0}
+    swap_peak = [0]
 
     def run(name: str, n: int) -> None:
         runner = runners[name]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)  # the resident model's, among others
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         for _ in range(n):
             x, y = batches[cursor[name]]
@@ -173,6 +177,9 @@ def run_swap_bench(cfg: SwapBenchConfig) -> dict:
             swap.sync()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            if name == "swap":
+                used = torch.cuda.max_memory_allocated(device) - base
+                swap_peak[0] = max(swap_peak[0], used)
         times[name] += time.perf_counter() - t0
 
     run("plain", 1)  # warm-up step for both, not timed below
@@ -221,5 +228,6 @@ def run_swap_bench(cfg: SwapBenchConfig) -> dict:
         "timed_steps": cfg.rounds * cfg.steps_per_round,
     }
     if device.type == "cuda":
-        result["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        # Allocated by the swapped steps above what was allocated before them.
+        result["cuda_max_allocated_bytes"] = swap_peak[0]
     return result

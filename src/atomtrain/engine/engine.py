@@ -79,6 +79,10 @@ class EngineConfig:
     """Dtype of device copies (`bfloat16`/`float16` halve transfer bytes; masters stay fp32)."""
     blocks: str = ""
     """Dotted path of the block container (empty: found automatically)."""
+    reserve_bytes: int = 0
+    """Device bytes held back from `budget_bytes` for what the engine cannot count: the CUDA
+    context's workspaces, allocator rounding and per-stream pools (the factory sets 5%, at
+    least 256 MiB, on a GPU; 0 on the CPU)."""
     precision: str = "fp32"
     """Compute precision: `fp32`, or `bf16`/`fp16` autocast (matrix products in 16 bits;
     norms, softmax and the loss in fp32 as autocast chooses; fp32 masters, fp32 gradient
@@ -106,7 +110,12 @@ class SwapEngine:
         self.layout: BlockLayout = find_blocks(model, cfg.blocks or None)
         plan.validate(len(self.layout))
         self.dtype = getattr(torch, cfg.param_dtype)
-        self.memory = DeviceMemory(cfg.budget_bytes)
+        if not 0 <= cfg.reserve_bytes < cfg.budget_bytes:
+            raise AtomError(
+                f"engine reserve of {cfg.reserve_bytes} bytes leaves nothing of the "
+                f"{cfg.budget_bytes}-byte budget"
+            )
+        self.memory = DeviceMemory(cfg.budget_bytes - cfg.reserve_bytes)
         self.trace = Trace()
         self.copier = Copier(device, self.dtype, self.trace)
         self.offloader = ThreadPoolExecutor(1, thread_name_prefix="atom-offload")
@@ -259,7 +268,7 @@ class SwapEngine:
         """Drop every sub-model from the device (loads in flight finish first)."""
         for k, fut in list(self.pending.items()):
             fut.result()
-            self.memory.release(self.submodel_bytes[k])
+            self._release(self.submodel_bytes[k])
         self.pending.clear()
         for k in list(self.resident):
             self._evict(k)
@@ -267,7 +276,7 @@ class SwapEngine:
     def _evict(self, k: int) -> None:
         loaded = self.resident.pop(k, None)
         if loaded is not None:
-            self.memory.release(loaded.nbytes)
+            self._release(loaded.nbytes)
 
     # ----- the outer part (embeddings, final norm, head): resident for a whole step ------------
 
@@ -295,7 +304,7 @@ class SwapEngine:
     def _release_outer(self) -> None:
         if self._outer_dev is not None:
             self._outer_dev = None
-            self.memory.release(self._outer_bytes)
+            self._release(self._outer_bytes)
 
     def _offload_outer_grads(self) -> None:
         assert self._outer_dev is not None
@@ -331,14 +340,15 @@ class SwapEngine:
             count_saved_bytes(exclude) as saved,
             self._autocast(),
         ):
-            loss = extract_loss(
-                functional_call(self.model, outer, (x.to(self.device), y.to(self.device)))
-            )
+            # Copies of their own, as on a GPU: a micro-batch is a view of the batch, and its
+            # whole storage would be counted as saved.
+            xd, yd = x.to(self.device, copy=True), y.to(self.device, copy=True)
+            loss = extract_loss(functional_call(self.model, outer, (xd, yd)))
         self.memory.reserve(saved[0], "outer activations")
         try:
             (loss * weight).backward()
         finally:
-            self.memory.release(saved[0])
+            self._release(saved[0])
         self._offload_outer_grads()
         return float(loss.detach())
 
@@ -363,6 +373,7 @@ class SwapEngine:
         self._release_outer()
         for k in list(self.resident):
             self._evict(k)
+        self.memory.drain()
 
     # ----- per block ---------------------------------------------------------------------------
 
@@ -422,6 +433,7 @@ class SwapEngine:
         i = ctx.i
         policy = self.plan.submodels[self.sub_of[i]].policy
         ctx.x_requires_grad = x.requires_grad
+        ctx.x_bytes = x.numel() * x.element_size()
         if policy is Policy.RECOMPUTE:
             # What the block may mutate (a cache in its keyword arguments) as it is now: the
             # recompute replays on a copy of this, not on the live object.
@@ -503,6 +515,10 @@ class SwapEngine:
                 self._prefetch(k - 1)
         self.memory.reserve(self.block_grad_bytes[i], f"gradients of block {i}")
         self._held_grad_bytes[k] += self.block_grad_bytes[i]
+        # The activation gradients flowing through the block: what comes in, what goes out.
+        act = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        act += ctx.x_bytes
+        self.memory.reserve(act, f"activation gradients of block {i}")
         if sub.policy is Policy.RECOMPUTE:
             xd = self._restore_input(ctx)
             rest, kwargs = snapshot(ctx.args)  # a fresh copy: the snapshot stays as it was
@@ -518,7 +534,7 @@ class SwapEngine:
             try:
                 _backward(outs, grads)
             finally:
-                self.memory.release(work[0])
+                self._release(work[0])
         else:
             xd, outs = ctx.kept
             ctx.kept = None
@@ -526,9 +542,10 @@ class SwapEngine:
                 _backward(outs, grads)
             finally:
                 if ctx.offload is not None:
-                    self.memory.release(ctx.offload.restored_bytes)
+                    self._release(ctx.offload.restored_bytes)
                     ctx.offload = None
-        self.memory.release(ctx.saved_bytes)
+        self._release(ctx.saved_bytes)
+        self._release(act)
         gx = xd.grad
         self._offload_block_grads(i, k)
         if i == sub.start:
@@ -537,7 +554,7 @@ class SwapEngine:
             # the copy thread got to them.
             for f in self._grad_futures[k]:
                 f.result()
-            self.memory.release(self._held_grad_bytes.pop(k))
+            self._release(self._held_grad_bytes.pop(k))
             self.trace.record("bwd_end", k)
             if not (k == 0 and self._keep_first):
                 self._evict(k)
@@ -566,6 +583,14 @@ class SwapEngine:
             ready.record(torch.cuda.current_stream(self.device))
         args = (pairs, self.grad_pool, self._first_pass, self.d2h_stream, ready)
         self._grad_futures[k].append(self.offloader.submit(copy_grads_to_host, *args))
+
+    def _release(self, nbytes: int) -> None:
+        """Bytes back to the budget once the kernels queued so far are done with them."""
+        after = None
+        if self.device.type == "cuda" and nbytes:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        self.memory.release(nbytes, after)
 
     def _copy_to_host(self, src: torch.Tensor) -> Future[torch.Tensor]:
         """An offloaded activation's copy to host memory, on the copy thread (and on CUDA its
@@ -620,7 +645,7 @@ class SwapEngine:
         self.finish_step()
         for k, fut in self.pending.items():
             fut.result()
-            self.memory.release(self.submodel_bytes[k])
+            self._release(self.submodel_bytes[k])
         self.pending.clear()
         self.copier.close()
         self.offloader.shutdown(wait=True)

@@ -47,7 +47,9 @@ def choose_plan(model: nn.Module, cfg: RunConfig, device: torch.device) -> Execu
         cache_dir() / "profiles",
         ec.blocks,
     )
-    plan = plan_dp(prof, budget, micro_batches, ec.max_blocks_per_submodel)
+    plan = plan_dp(
+        prof, budget - gpu_reserve(budget, device), micro_batches, ec.max_blocks_per_submodel
+    )
     pred = predict(prof, plan, micro_batches)
     itemsize = torch.empty((), dtype=DTYPES[ec.param_dtype]).element_size()
     check_host_memory(prof, plan, HostSpec(machine_memory_bytes(), device_itemsize=itemsize))
@@ -74,6 +76,14 @@ def check_engine_section(ec: EngineSection) -> None:
         raise AtomError("engine.submodels must be >= 0 and engine.max_blocks_per_submodel >= 1")
 
 
+def gpu_reserve(budget: int, device: torch.device) -> int:
+    """Bytes of the budget held back on a GPU for what the engine cannot count (context
+    workspaces, allocator rounding, stream pools): 5%, at least 256 MiB, at most half."""
+    if device.type != "cuda":
+        return 0
+    return min(budget // 2, max(256 << 20, budget // 20))
+
+
 def swap_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.device) -> SwapRunner:
     """The engine's runner for `model`, which stays in host memory."""
     check_engine_section(cfg.engine)
@@ -81,6 +91,9 @@ def swap_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.devi
     plan = choose_plan(model, cfg, device)
     ec = cfg.engine
     engine = SwapEngine(
-        model, plan, EngineConfig(budget, ec.param_dtype, ec.blocks, ec.precision), device
+        model,
+        plan,
+        EngineConfig(budget, ec.param_dtype, ec.blocks, gpu_reserve(budget, device), ec.precision),
+        device,
     )
     return SwapRunner(engine, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip)

@@ -56,18 +56,20 @@ def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy, m: i
     fwd = m * sum(b.fwd_s for b in blocks)
     bwd = m * sum(b.bwd_s for b in blocks)
     max_saved = m * max(b.saved_bytes for b in blocks)
+    # Gradients of a block's output and input exist during its backward under any policy.
+    act_grads = 2 * m * max(b.input_bytes for b in blocks)
     restore = 0.0
     if policy is Policy.KEEP:
-        saved, work = m * sum(b.saved_bytes for b in blocks), 0
+        saved, work = m * sum(b.saved_bytes for b in blocks), act_grads
     elif policy is Policy.OFFLOAD:  # copies made by the compute thread: on the critical path
         moved = m * sum(b.saved_bytes for b in blocks)
         restore = moved / prof.h2d_bytes_per_s
         fwd += moved / prof.d2h_bytes_per_s
         bwd += restore
-        saved, work = 0, max_saved
+        saved, work = 0, max_saved + act_grads
     else:
         bwd += fwd
-        saved, work = m * sum(b.input_bytes for b in blocks), max_saved
+        saved, work = m * sum(b.input_bytes for b in blocks), max_saved + act_grads
     return SubModelCost(
         params,
         grads,
