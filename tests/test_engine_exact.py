@@ -306,3 +306,37 @@ MIXED_6 = ExecutionPlan(
         SubModel(4, 6, Policy.OFFLOAD),
     )
 )
+
+
+def test_a_transformers_llama_with_its_cache_recomputes_exactly():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+
+    class Call(nn.Module):  # the engine calls model(x, y); the cache stays on
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor):
+            return self.inner(input_ids=x, labels=y, use_cache=True)
+
+    twin = Call(copy.deepcopy(model))
+    x = batches(1, rows=2)[0][0]
+    model(input_ids=x, labels=x, use_cache=True).loss.backward()
+    engine = SwapEngine(twin, ExecutionPlan.even(4, 2), EngineConfig(budget_bytes=BIG), CPU)
+    engine.run_pass(x, x, 1.0, first=True, final=True)
+    engine.finish_step()
+    for n, p in model.named_parameters():
+        g = twin.inner.get_parameter(n).grad
+        assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6), n
+    engine.close()
