@@ -2,9 +2,11 @@
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 
+from atomtrain.engine.plan import ExecutionPlan, Policy
 from atomtrain.errors import AtomError
 from atomtrain.models import GPTConfig
 from atomtrain.planner.partition import (
@@ -89,3 +91,45 @@ def test_parse_bytes():
     assert parse_bytes("1.5e3") == 1500
     with pytest.raises(AtomError, match="cannot read"):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_plan_beats_the_lower_bound(seed: int):
+    rng = random.Random(100 + seed)
+    prof = random_profile(rng, rng.randint(2, 4))
+    if seed % 2:  # a slow link: transfer-bound
+        prof = replace(prof, h2d_bytes_per_s=5.0, d2h_bytes_per_s=5.0)
+    for micro in (1, 2, 4):
+        for k in range(1, len(prof.blocks) + 1):
+            for m in (d for d in (1, 2, 4) if micro % d == 0):
+                for policy in (Policy.KEEP, Policy.OFFLOAD, Policy.RECOMPUTE):
+                    pred = predict(prof, ExecutionPlan.even(len(prof.blocks), k, policy, m), micro)
+                    assert pred.step_s >= pred.lower_bound_s * (1 - 1e-12)
+
+
+def test_the_prediction_counts_the_outer_part_and_the_shared_link():
+    prof = random_profile(random.Random(7), 3)
+    plan = ExecutionPlan.even(3, 3, Policy.KEEP)
+    base = predict(prof, plan, 2).step_s
+    heavier = replace(prof, outer_param_bytes=prof.outer_param_bytes + 1000)
+    assert predict(heavier, plan, 2).step_s == pytest.approx(base + 1000 / prof.h2d_bytes_per_s)
+    slow = replace(prof, blocks=tuple(replace(b, bwd_s=1e-6) for b in prof.blocks))
+    off = predict(slow, ExecutionPlan.even(3, 3, Policy.OFFLOAD), 1)
+    c1, c2 = off.costs[1], off.costs[0]
+    assert c1.restore_s > 0
+    # sub-model 1's backward slot: the load of sub-model 0 and its own restore, one after another
+    assert off.step_s >= c2.load_s + c1.restore_s
+
+
+def test_host_memory_is_checked_with_a_one_line_answer():
+    from atomtrain.planner.host import HostSpec, check_host_memory, host_memory_line
+
+    cfg = GPTConfig.from_name("gpt3-175b")
+    prof = analytic_profile(cfg, 1, 2048, DeviceSpec(80 * 10**9))
+    plan = ExecutionPlan.even(len(prof.blocks), len(prof.blocks), Policy.OFFLOAD)
+    small = HostSpec(512 * 10**9, device_itemsize=2)
+    line = host_memory_line(prof, plan, small)
+    assert "\n" not in line and "short" in line and "AdamW" in line
+    with pytest.raises(AtomError, match=r"host memory: needs 2\.9 TiB .* short"):
+        check_host_memory(prof, plan, small)
+    check_host_memory(prof, plan, HostSpec(4 * 10**12, device_itemsize=2))  # fits: no error

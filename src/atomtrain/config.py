@@ -94,6 +94,9 @@ class EngineSection:
     """Device bytes training may use, e.g. `24GB` or `512MiB` (empty: the plain trainer)."""
     param_dtype: str = "float32"
     """Dtype of device copies: float32, bfloat16 or float16 (masters stay float32)."""
+    precision: str = "fp32"
+    """Compute precision: fp32, bf16 or fp16 (autocast; fp32 masters; fp16 with dynamic loss
+    scaling)."""
     blocks: str = ""
     """Dotted path of the block container (empty: found automatically)."""
     submodels: int = 0

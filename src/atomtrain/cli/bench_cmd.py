@@ -25,7 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--param-dtype", default="float32")
-    p.add_argument("--device-memory", default="", help="budget (default: forces sub-models)")
+    p.add_argument(
+        "--device-memory", default="", help="budget (default: --budget-fraction of the need)"
+    )
+    p.add_argument("--budget-fraction", type=float, default=0.4)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.set_defaults(func=run_swap)
 
     c = bsub.add_parser("churn", help="a swarm with a peer killed mid-round and peers joining")
@@ -106,6 +110,8 @@ def run_swap(args: argparse.Namespace, _extra: list[str]) -> int:
         device=args.device,
         param_dtype=args.param_dtype,
         budget_bytes=parse_bytes(args.device_memory) if args.device_memory else 0,
+        budget_fraction=args.budget_fraction,
+        precision=args.precision,
     )
     _emit(run_swap_bench(cfg), args.json)
     return 0

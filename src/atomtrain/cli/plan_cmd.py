@@ -26,6 +26,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tflops", type=float, default=80.0, help="device TFLOP/s reached")
     p.add_argument("--h2d-gbps", type=float, default=25.0, help="host-to-device GB/s")
     p.add_argument("--max-blocks", type=int, default=8, help="longest sub-model considered")
+    p.add_argument(
+        "--host-memory", default="", help="host memory, e.g. 512GB (default: this machine's)"
+    )
+    p.add_argument(
+        "--host-adam-gparams",
+        type=float,
+        default=0.38,
+        help="host AdamW throughput in billions of parameters per second",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)
 
@@ -46,6 +55,13 @@ def _ms(s: float) -> str:
 def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.errors import AtomError
     from atomtrain.models import GPT, GPTConfig
+    from atomtrain.planner.host import (
+        HostSpec,
+        host_memory_line,
+        host_need,
+        machine_memory_bytes,
+        optimizer_cost_s,
+    )
     from atomtrain.planner.partition import fmt_bytes, parse_bytes, plan_dp, predict
     from atomtrain.planner.profile import DeviceSpec, analytic_profile
 
@@ -67,6 +83,13 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
     plan = plan_dp(prof, budget, args.micro_batches, args.max_blocks)
     pred = predict(prof, plan, args.micro_batches)
     took = time.perf_counter() - t0
+    host = HostSpec(
+        parse_bytes(args.host_memory) if args.host_memory else machine_memory_bytes(),
+        args.host_adam_gparams * 1e9,
+        args.dtype_bytes,
+    )
+    host_line = host_memory_line(prof, plan, host)
+    opt_s = optimizer_cost_s(prof, pred.step_s, host)
     rows = []
     for k, (s, c) in enumerate(zip(plan.submodels, pred.costs, strict=True)):
         nxt = pred.costs[k + 1].load_s if k + 1 < len(pred.costs) else 0.0
@@ -94,7 +117,10 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
                     "peak_bytes": pred.peak_bytes,
                     "micro_batches_per_load": plan.micro_batches_per_load,
                     "passes": pred.passes,
-                    "predicted_step_s": pred.step_s,
+                    "predicted_step_s": pred.step_s + opt_s,
+                    "optimizer_s": opt_s,
+                    "host_memory_bytes": host_need(prof, plan, host).total_bytes,
+                    "host_memory": host_line,
                     "lower_bound_s": pred.lower_bound_s,
                     "submodels": [
                         {"start": s.start, "end": s.end, "policy": s.policy.value}
@@ -130,9 +156,11 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
     )
     print(f"micro-batches per load: {plan.micro_batches_per_load} ({pred.passes} passes)")
     print(
-        f"predicted step: {pred.step_s:.3f} s; lower bound max(compute, load): "
-        f"{pred.lower_bound_s:.3f} s ({pred.lower_bound_s / pred.step_s:.0%})"
+        f"predicted step: {pred.step_s + opt_s:.3f} s (host optimizer {opt_s:.3f} s); lower "
+        f"bound max(compute, load): {pred.lower_bound_s:.3f} s "
+        f"({pred.lower_bound_s / (pred.step_s + opt_s):.0%})"
     )
+    print(host_line)
     print(
         f"device peak: {fmt_bytes(pred.peak_bytes)} of {fmt_bytes(budget)}; "
         f"planned in {took:.2f} s ({prof.notes.get('source', '')})"

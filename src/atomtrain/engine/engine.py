@@ -3,7 +3,7 @@
 Master parameters stay where the model keeps them (host memory; pinned on CUDA). For each pass the
 engine runs the model's own forward with each block replaced by a proxy that (1) makes sure the
 block's sub-model is on the device, prefetching the next one while this one computes, and (2) runs
-the block through `_SwappedBlock`, an autograd function that saves what the plan's policy says and,
+the block through `SwappedBlock`, an autograd function that saves what the plan's policy says and,
 in the backward, brings the sub-model back (the last one never left), recomputes if needed, and
 streams the block's gradients back to the host parameters' `.grad`.
 
@@ -13,22 +13,39 @@ peak and a plan that would exceed `budget_bytes` fails loudly instead of silentl
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from atomtrain.engine.blocks import (
+    BlockProxy,
+    FetchParam,
+    HostCopies,
+    OutputLayout,
+    SwappedBlock,
+    check_inputs,
+    join_output,
+    snapshot,
+    split_output,
+    storage_bytes,
+    view_of,
+)
 from atomtrain.engine.layout import BlockLayout, find_blocks
 from atomtrain.engine.memory import DeviceMemory, count_saved_bytes, tensor_bytes
 from atomtrain.engine.plan import ExecutionPlan, Policy
-from atomtrain.engine.transfer import Copier, Loaded, Trace
+from atomtrain.engine.transfer import Copier, Loaded, PinnedPool, Trace, copy_grads_to_host
 from atomtrain.errors import AtomError
+from atomtrain.optim.scaler import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -75,58 +92,14 @@ class EngineConfig:
     """Dtype of device copies (`bfloat16`/`float16` halve transfer bytes; masters stay fp32)."""
     blocks: str = ""
     """Dotted path of the block container (empty: found automatically)."""
-
-
-class _BlockProxy(nn.Module):
-    """Stands in for block i during the engine's forward."""
-
-    def __init__(self, engine: SwapEngine, i: int) -> None:
-        super().__init__()
-        self.i = i
-        self._owner = [engine]  # a plain list: not a submodule, names stay unchanged
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._owner[0]._run_block(self.i, args, kwargs)
-
-
-class _SwappedBlock(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        engine: SwapEngine,
-        i: int,
-        rest: tuple,
-        kwargs: dict,
-        anchor: torch.Tensor,
-    ) -> torch.Tensor:
-        ctx.engine, ctx.i, ctx.rest, ctx.kwargs = engine, i, rest, kwargs
-        return engine._forward_block(ctx, x)
-
-    @staticmethod
-    def backward(ctx: Any, gy: torch.Tensor) -> tuple:
-        return ctx.engine._backward_block(ctx, gy), None, None, None, None, None
-
-
-class _FetchParam(torch.autograd.Function):
-    """A block parameter as a graph node that refers to the sub-model's *current* device copy.
-
-    Kept and offloaded graphs survive the sub-model's eviction: the tensors they save are tokens
-    resolved at backward time against the reloaded copy, and the gradient is handed to the engine
-    instead of accumulating into a leaf that would pin the old copy on the device.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, anchor: torch.Tensor, engine: SwapEngine, i: int, local: str
-    ) -> torch.Tensor:
-        ctx.engine, ctx.i, ctx.local = engine, i, local
-        return engine._device_tensor(i, local).detach()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        ctx.engine._stash_grad(ctx.i, ctx.local, g)
-        return None, None, None, None
+    reserve_bytes: int = 0
+    """Device bytes held back from `budget_bytes` for what the engine cannot count: the CUDA
+    context's workspaces, allocator rounding and per-stream pools (the factory sets 5%, at
+    least 256 MiB, on a GPU; 0 on the CPU)."""
+    precision: str = "fp32"
+    """Compute precision: `fp32`, or `bf16`/`fp16` autocast (matrix products in 16 bits;
+    norms, softmax and the loss in fp32 as autocast chooses; fp32 masters, fp32 gradient
+    accumulation on the host; dynamic loss scaling for fp16, done by the runner)."""
 
 
 class SwapEngine:
@@ -143,15 +116,29 @@ class SwapEngine:
         self.cfg = cfg
         self.device = device
         self._called = _Called(model, call)
+        if cfg.precision not in PRECISIONS:
+            raise AtomError(
+                f"engine.precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}"
+            )
         self.layout: BlockLayout = find_blocks(model, cfg.blocks or None)
         plan.validate(len(self.layout))
         self.dtype = getattr(torch, cfg.param_dtype)
-        self.memory = DeviceMemory(cfg.budget_bytes)
+        if not 0 <= cfg.reserve_bytes < cfg.budget_bytes:
+            raise AtomError(
+                f"engine reserve of {cfg.reserve_bytes} bytes leaves nothing of the "
+                f"{cfg.budget_bytes}-byte budget"
+            )
+        self.memory = DeviceMemory(cfg.budget_bytes - cfg.reserve_bytes)
         self.trace = Trace()
         self.copier = Copier(device, self.dtype, self.trace)
         self.offloader = ThreadPoolExecutor(1, thread_name_prefix="atom-offload")
         self.d2h_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._index_model()
+        # Gradient staging: two buffers, each the largest block's gradients, so one fills
+        # while the other is accumulated into the host `.grad`.
+        self.grad_pool = PinnedPool(
+            max(1, max(self.block_grad_bytes, default=1)), 2, device.type == "cuda"
+        )
         self.resident: dict[int, Loaded] = {}
         self.pending: dict[int, Future[Loaded]] = {}
         self.gates: dict[int, Future] = {}
@@ -161,7 +148,8 @@ class SwapEngine:
         self.boundary_hook: Callable[[str, Callable[[], None]], None] | None = None
         """Called before each sub-model's forward and backward, with a function that evicts
         the resident sub-models: where a scheduler may pause training (and make room)."""
-        self._tails: dict[int, tuple | None] = {}
+        self._outputs: dict[int, OutputLayout] = {}
+        self._held_grad_bytes: dict[int, int] = defaultdict(int)
         self._grad_futures: dict[int, list[Future]] = defaultdict(list)
         self._outer_dev: dict[str, torch.Tensor] | None = None
         self._outer_bytes = 0
@@ -170,8 +158,9 @@ class SwapEngine:
         self._keep_first = False
         self._stashed: dict[tuple[int, str], torch.Tensor] = {}
         self._anchor = torch.zeros((), device=device, requires_grad=True)
-        self._unpacking_block = -1
-        self._restored_bytes = 0
+        self.gate_wait_s = 0.0
+        """Seconds the training thread waited for optimizer steps gating a load."""
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
 
     # ----- setup -----------------------------------------------------------------------------
 
@@ -184,13 +173,16 @@ class SwapEngine:
                 if not p.data.is_pinned():
                     p.data = p.data.pin_memory()
         self.host_params = dict(self.model.named_parameters())
+        self._param_ids = {id(p) for p in self.host_params.values()}
         self.host_blocks: list[dict[str, torch.Tensor]] = []
         self.block_param_names: list[dict[str, str]] = []  # local name -> model-wide name
         for i, block in enumerate(self.blocks):
             tensors: dict[str, torch.Tensor] = dict(block.named_parameters())
             tensors.update({n: b for n, b in block.named_buffers()})
             self.host_blocks.append(tensors)
-            self.block_param_names.append(  # frozen parameters travel like buffers
+            # Frozen parameters (requires_grad False when the engine is built) get no device
+            # gradient, no gradient bytes and no optimizer step, as in plain training.
+            self.block_param_names.append(
                 {n: lay.prefix(i) + n for n, p in block.named_parameters() if p.requires_grad}
             )
         self.host_outer: dict[str, torch.Tensor] = {
@@ -199,16 +191,15 @@ class SwapEngine:
         self.host_outer.update(
             {n: b for n, b in self.model.named_buffers() if not self.layout.is_block_param(n)}
         )
-        trainable = {n for n, p in self.host_params.items() if p.requires_grad}
-        self.outer_param_names = [n for n in self.host_outer if n in trainable]
+        self.outer_param_names = [
+            n
+            for n in self.host_outer
+            if n in self.host_params and self.host_params[n].requires_grad
+        ]
         self._staging: dict[int, torch.Tensor] = {}
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.block_bytes = [
-            sum(
-                t.numel() * (itemsize if t.is_floating_point() else t.element_size())
-                for t in b.values()
-            )
-            for b in self.host_blocks
+            sum(self._device_bytes(t) for t in b.values()) for b in self.host_blocks
         ]
         self.block_grad_bytes = [
             sum(self.host_blocks[i][n].numel() * itemsize for n in names)
@@ -218,9 +209,16 @@ class SwapEngine:
             sum(self.block_bytes[i] for i in s.blocks) for s in self.plan.submodels
         ]
 
+    def _device_bytes(self, t: torch.Tensor) -> int:
+        """Bytes of t's device copy: parameters at the device dtype, buffers as they are."""
+        if t.is_floating_point() and id(t) in self._param_ids:
+            return t.numel() * torch.empty((), dtype=self.dtype).element_size()
+        return t.numel() * t.element_size()
+
     def _host_source(self, t: torch.Tensor) -> torch.Tensor:
-        """What a load copies from: the master itself, or its low-precision staging copy."""
-        if self.dtype == torch.float32 or not t.is_floating_point():
+        """What a load copies from: the master itself, or its low-precision staging copy
+        (parameters only: buffers such as rotary `inv_freq` keep their dtype)."""
+        if self.dtype == torch.float32 or not t.is_floating_point() or id(t) not in self._param_ids:
             return t
         staged = self._staging.get(id(t))
         if staged is None:
@@ -259,8 +257,11 @@ class SwapEngine:
     def _acquire(self, k: int) -> Loaded:
         if k not in self.resident:
             fut = self.pending.pop(k, None) or self._issue_load(k)
+            t0 = time.perf_counter()
             loaded = fut.result()
-            loaded.wait()
+            # Of the wait, what the load itself spent waiting for the optimizer.
+            self.gate_wait_s += min(time.perf_counter() - t0, loaded.gate_wait_s)
+            loaded.wait(self.device)
             sub = self.plan.submodels[k]
             for j, i in enumerate(sub.blocks):
                 for local in self.block_param_names[i]:
@@ -280,7 +281,7 @@ class SwapEngine:
         """Drop every sub-model from the device (loads in flight finish first)."""
         for k, fut in list(self.pending.items()):
             fut.result()
-            self.memory.release(self.submodel_bytes[k])
+            self._release(self.submodel_bytes[k])
         self.pending.clear()
         for k in list(self.resident):
             self._evict(k)
@@ -288,7 +289,7 @@ class SwapEngine:
     def _evict(self, k: int) -> None:
         loaded = self.resident.pop(k, None)
         if loaded is not None:
-            self.memory.release(loaded.nbytes)
+            self._release(loaded.nbytes)
 
     # ----- the outer part (embeddings, final norm, head): resident for a whole step ------------
 
@@ -296,19 +297,13 @@ class SwapEngine:
         if self._outer_dev is None:
             gate = self.gates.get(-1)
             if gate is not None:
+                t0 = time.perf_counter()
                 gate.result()
+                self.gate_wait_s += time.perf_counter() - t0
             grads = tensor_bytes([self.host_outer[n] for n in self.outer_param_names])
             if self.dtype != torch.float32:
                 grads //= 2
-            params = sum(
-                t.numel()
-                * (
-                    torch.empty((), dtype=self.dtype).element_size()
-                    if t.is_floating_point()
-                    else t.element_size()
-                )
-                for t in self.host_outer.values()
-            )
+            params = sum(self._device_bytes(t) for t in self.host_outer.values())
             self._outer_bytes = params + grads
             self.memory.reserve(self._outer_bytes, "outer parameters and gradients")
             dev = {
@@ -322,7 +317,7 @@ class SwapEngine:
     def _release_outer(self) -> None:
         if self._outer_dev is not None:
             self._outer_dev = None
-            self.memory.release(self._outer_bytes)
+            self._release(self._outer_bytes)
 
     def _offload_outer_grads(self) -> None:
         assert self._outer_dev is not None
@@ -330,11 +325,14 @@ class SwapEngine:
             g = self._outer_dev[n].grad
             self._outer_dev[n].grad = None
             if g is not None:
-                self._accumulate(self.host_params[n], g.to("cpu", dtype=torch.float32))
+                self._accumulate(self.host_params[n], g)
 
     def _accumulate(self, host: torch.Tensor, g: torch.Tensor) -> None:
-        if self._first_pass or host.grad is None:
-            host.grad = g if g.dtype == host.dtype and g.device == host.device else g.to(host)
+        if host.grad is None:
+            host.grad = torch.empty_like(host)
+            host.grad.copy_(g)
+        elif self._first_pass:
+            host.grad.copy_(g)  # in place: the host gradient is allocated once
         else:
             host.grad.add_(g)
 
@@ -351,29 +349,33 @@ class SwapEngine:
         outer = self._load_outer()
         exclude = {t.untyped_storage().data_ptr() for t in outer.values()}
         with (
-            self.layout.replaced(lambda i: _BlockProxy(self, i)),
+            self.layout.replaced(lambda i: BlockProxy(self, i)),
             count_saved_bytes(exclude) as saved,
+            self._autocast(),
         ):
-            loss = extract_loss(self._model_call(outer, x, y))
+            # Copies of their own, as on a GPU: a micro-batch is a view of the batch, and its
+            # whole storage would be counted as saved.
+            xd, yd = x.to(self.device, copy=True), y.to(self.device, copy=True)
+            loss = extract_loss(self._model_call(outer, xd, yd))
         self.memory.reserve(saved[0], "outer activations")
         try:
             (loss * weight).backward()
         finally:
-            self.memory.release(saved[0])
+            self._release(saved[0])
         self._offload_outer_grads()
         return float(loss.detach())
 
     def _model_call(self, outer: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
         params = {f"model.{n}": t for n, t in outer.items()}
-        return functional_call(self._called, params, (x.to(self.device), y.to(self.device)))
+        return functional_call(self._called, params, (x, y))
 
     @torch.no_grad()
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """The loss alone, streaming the sub-models through once."""
         outer = self._load_outer()
         try:
-            with self.layout.replaced(lambda i: _BlockProxy(self, i)):
-                out = self._model_call(outer, x, y)
+            with self.layout.replaced(lambda i: BlockProxy(self, i)), self._autocast():
+                out = self._model_call(outer, x.to(self.device), y.to(self.device))
             return float(extract_loss(out))
         finally:
             for k in list(self.resident):
@@ -388,6 +390,7 @@ class SwapEngine:
         self._release_outer()
         for k in list(self.resident):
             self._evict(k)
+        self.memory.drain()
 
     # ----- per block ---------------------------------------------------------------------------
 
@@ -402,25 +405,17 @@ class SwapEngine:
             if k + 1 < len(self.plan.submodels):
                 self._prefetch(k + 1)
         if torch.is_grad_enabled():
-            if any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in (*rest, *kwargs.values())
-            ):
-                raise AtomError(
-                    f"block {i} takes a second input that needs a gradient; the "
-                    "engine passes only the first input's gradient"
-                )
-            # The anchor keeps the block in the graph when x needs no gradient (frozen
-            # embeddings or first layers): its parameters still do.
-            h = _SwappedBlock.apply(x, self, i, rest, kwargs, self._anchor)
+            check_inputs(i, rest, kwargs)
+            diff = SwappedBlock.apply(x, self, i, rest, kwargs, self._anchor)
+            out = join_output(self._outputs.pop(i), diff)
         else:
-            h = self._call(i, x, rest, kwargs)
+            out = self._call(i, x, rest, kwargs)
         if i == sub.end - 1:
             self.trace.record("compute_end", k)
             keep = torch.is_grad_enabled() and k == len(self.plan.submodels) - 1
             if not keep:  # the last sub-model stays for the start of the backward
                 self._evict(k)
-        tail = self._tails.get(i)
-        return (h, *tail) if tail is not None else h
+        return out
 
     def _device_tensors(self, i: int) -> dict[str, torch.Tensor]:
         k = self.sub_of[i]
@@ -435,60 +430,69 @@ class SwapEngine:
 
     def _call(
         self, i: int, x: torch.Tensor, rest: tuple, kwargs: dict, fetched: bool = False
-    ) -> torch.Tensor:
+    ) -> Any:
+        """Block i's whole output, computed with its device tensors."""
         params = self._device_tensors(i)
-        if fetched:  # parameters as _FetchParam nodes, buffers as they are
+        if fetched:  # trainable parameters as FetchParam nodes, the rest as they are
             names = self.block_param_names[i]
             params = {
-                n: _FetchParam.apply(self._anchor, self, i, n) if n in names else t
+                n: FetchParam.apply(self._anchor, self, i, n) if n in names else t
                 for n, t in params.items()
             }
-        out = functional_call(self.blocks[i], params, (x, *rest), kwargs)
-        if isinstance(out, tuple):
-            self._tails[i] = tuple(
-                o.detach() if isinstance(o, torch.Tensor) else o for o in out[1:]
-            )
-            return out[0]
-        self._tails[i] = None
-        return out
+        return functional_call(self.blocks[i], params, (x, *rest), kwargs)
 
     def _param_storages(self, i: int) -> set[int]:
         k = self.sub_of[i]
         params = self.resident[k].blocks[i - self.plan.submodels[k].start]
         return {t.untyped_storage().data_ptr() for t in params.values()}
 
-    def _forward_block(self, ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def _forward_block(self, ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         i = ctx.i
         policy = self.plan.submodels[self.sub_of[i]].policy
         ctx.x_requires_grad = x.requires_grad
+        ctx.x_bytes = x.numel() * x.element_size()
         if policy is Policy.RECOMPUTE:
+            # What the block may mutate (a cache in its keyword arguments) as it is now: the
+            # recompute replays on a copy of this, not on the live object.
+            ctx.args = snapshot((ctx.rest, ctx.kwargs))
             ctx.rng = self._rng_state()
             ctx.x, ctx.saved_bytes = x.detach(), x.numel() * x.element_size()
             self.memory.reserve(ctx.saved_bytes, f"input of block {i}")
-            return self._call(i, x, ctx.rest, ctx.kwargs)
+            diff, layout = split_output(self._call(i, x, ctx.rest, ctx.kwargs))
+            self._outputs[i] = layout
+            return tuple(diff)
         params = self._param_storages(i)
-        to_host = policy is Policy.OFFLOAD
+        offload = HostCopies() if policy is Policy.OFFLOAD else None
         counted = [0]
         seen: set[int] = set()
+        alive: list[torch.UntypedStorage] = []
 
         def pack(t: torch.Tensor) -> Any:
             ptr = t.untyped_storage().data_ptr()
+            view = (tuple(t.shape), t.stride(), t.storage_offset())
             if ptr in params:  # a parameter: resolved against the reloaded copy at backward
-                view = (tuple(t.shape), t.stride(), t.storage_offset())
                 return ("param", (self._local_of(i, t), view))
-            if to_host:
-                return ("host", t.to("cpu", copy=True))
+            if offload is not None:  # one host copy per storage, however many views
+                if ptr not in offload.host:
+                    offload.host[ptr] = self._copy_to_host(storage_bytes(t))
+                    # Held until the block's forward ends, so that no later tensor of this
+                    # forward reuses the address and is taken for a view of this one.
+                    alive.append(t.untyped_storage())
+                return ("host", (ptr, t.dtype, view))
             if ptr not in seen:
                 seen.add(ptr)
                 counted[0] += t.untyped_storage().nbytes()
             return ("device", t)
 
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+        unpack = partial(self._unpack, i, offload)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             xd = x.detach().requires_grad_(x.requires_grad)
-            y = self._call(i, xd, ctx.rest, ctx.kwargs, fetched=True)
+            diff, layout = split_output(self._call(i, xd, ctx.rest, ctx.kwargs, fetched=True))
+        alive.clear()
+        self._outputs[i] = layout
         self.memory.reserve(counted[0], f"kept activations of block {i}")
-        ctx.kept, ctx.saved_bytes = (xd, y), counted[0]
-        return y.detach()
+        ctx.kept, ctx.saved_bytes, ctx.offload = (xd, diff), counted[0], offload
+        return tuple(t.detach() for t in diff)
 
     def _local_of(self, i: int, t: torch.Tensor) -> str:
         ptr = t.untyped_storage().data_ptr()
@@ -496,22 +500,27 @@ class SwapEngine:
             n for n, d in self._device_tensors(i).items() if d.untyped_storage().data_ptr() == ptr
         )
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
+    def _unpack(self, i: int, offload: HostCopies | None, packed: Any) -> torch.Tensor:
         kind, value = packed
         if kind == "device":
             return value
         if kind == "param":  # the same view, of the copy resident now
             local, (shape, stride, offset) = value
-            return self._device_tensor(self._unpacking_block, local).as_strided(
-                shape, stride, offset
-            )
-        restored = value.to(self.device, copy=True)
-        nbytes = restored.numel() * restored.element_size()
-        self.memory.reserve(nbytes, f"restored activations of block {self._unpacking_block}")
-        self._restored_bytes += nbytes
-        return restored
+            return self._device_tensor(i, local).as_strided(shape, stride, offset)
+        assert offload is not None
+        ptr, dtype, view = value
+        restored = offload.restored.get(ptr)
+        if restored is None:  # the storage comes back once, shared by its views
+            restored = offload.host[ptr].result().to(self.device, copy=True)
+            nbytes = restored.numel()
+            self.memory.reserve(nbytes, f"restored activations of block {i}")
+            offload.restored_bytes += nbytes
+            offload.restored[ptr] = restored
+        return view_of(restored, dtype, view)
 
-    def _backward_block(self, ctx: Any, gy: torch.Tensor) -> torch.Tensor | None:
+    def _backward_block(
+        self, ctx: Any, grads: tuple[torch.Tensor | None, ...]
+    ) -> torch.Tensor | None:
         i = ctx.i
         k = self.sub_of[i]
         sub = self.plan.submodels[k]
@@ -522,36 +531,47 @@ class SwapEngine:
             if k > 0:
                 self._prefetch(k - 1)
         self.memory.reserve(self.block_grad_bytes[i], f"gradients of block {i}")
+        self._held_grad_bytes[k] += self.block_grad_bytes[i]
+        # The activation gradients flowing through the block: what comes in, what goes out.
+        act = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        act += ctx.x_bytes
+        self.memory.reserve(act, f"activation gradients of block {i}")
         if sub.policy is Policy.RECOMPUTE:
             xd = self._restore_input(ctx)
+            rest, kwargs = snapshot(ctx.args)  # a fresh copy: the snapshot stays as it was
+            ctx.args = None
             with (
                 torch.enable_grad(),
                 self._replay_rng(ctx.rng),
+                self._autocast(),
                 count_saved_bytes(self._param_storages(i)) as work,
             ):
-                y = self._call(i, xd, ctx.rest, ctx.kwargs)
+                outs, _ = split_output(self._call(i, xd, rest, kwargs))
             self.memory.reserve(work[0], f"recomputed activations of block {i}")
             try:
-                if y.requires_grad:  # a wholly frozen block has nothing to differentiate
-                    torch.autograd.backward(y, gy)
+                _backward(outs, grads)
             finally:
-                self.memory.release(work[0])
+                self._release(work[0])
         else:
-            xd, y = ctx.kept
+            xd, outs = ctx.kept
             ctx.kept = None
-            self._unpacking_block, self._restored_bytes = i, 0
             try:
-                if y.requires_grad:  # a wholly frozen block has nothing to differentiate
-                    torch.autograd.backward(y, gy)
+                _backward(outs, grads)
             finally:
-                self.memory.release(self._restored_bytes)
-        self.memory.release(ctx.saved_bytes)
+                if ctx.offload is not None:
+                    self._release(ctx.offload.restored_bytes)
+                    ctx.offload = None
+        self._release(ctx.saved_bytes)
+        self._release(act)
         gx = xd.grad
         self._offload_block_grads(i, k)
         if i == sub.start:
-            # Bound device gradients to one sub-model's worth before the next one starts.
+            # Bound device gradients to one sub-model's worth before the next one starts;
+            # released here, in program order, so the accounted peak does not depend on when
+            # the copy thread got to them.
             for f in self._grad_futures[k]:
                 f.result()
+            self._release(self._held_grad_bytes.pop(k))
             self.trace.record("bwd_end", k)
             if not (k == 0 and self._keep_first):
                 self._evict(k)
@@ -574,31 +594,47 @@ class SwapEngine:
                 params[local].grad = None
             if g is not None:
                 pairs.append((self.host_params[name], g))
-        nbytes = self.block_grad_bytes[i]
         ready = None
         if self.d2h_stream is not None:
             ready = torch.cuda.Event()
-            ready.record()
-        first = self._first_pass
+            ready.record(torch.cuda.current_stream(self.device))
+        args = (pairs, self.grad_pool, self._first_pass, self.d2h_stream, ready)
+        self._grad_futures[k].append(self.offloader.submit(copy_grads_to_host, *args))
 
-        def work() -> None:
-            if ready is not None and self.d2h_stream is not None:
-                self.d2h_stream.wait_event(ready)
-                with torch.cuda.stream(self.d2h_stream):
-                    host = [
-                        (h, g.to("cpu", dtype=torch.float32, non_blocking=True)) for h, g in pairs
-                    ]
-                self.d2h_stream.synchronize()
-            else:
-                host = [(h, g.to(torch.float32)) for h, g in pairs]
-            for h, g in host:
-                if first or h.grad is None:
-                    h.grad = g
-                else:
-                    h.grad.add_(g)
-            self.memory.release(nbytes)
+    def _release(self, nbytes: int) -> None:
+        """Bytes back to the budget once the kernels queued so far are done with them."""
+        after = None
+        if self.device.type == "cuda" and nbytes:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
+        self.memory.release(nbytes, after)
 
-        self._grad_futures[k].append(self.offloader.submit(work))
+    def _copy_to_host(self, src: torch.Tensor) -> Future[torch.Tensor]:
+        """An offloaded activation's copy to host memory, on the copy thread (and on CUDA its
+        own stream, into pinned memory), so the forward goes on meanwhile. The closure holds
+        `src` until the copy is done."""
+        ready = None
+        if self.d2h_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+
+        def work() -> torch.Tensor:
+            if ready is None or self.d2h_stream is None:
+                return src.to("cpu", copy=True)
+            self.d2h_stream.wait_event(ready)
+            host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            with torch.cuda.stream(self.d2h_stream):
+                host.copy_(src, non_blocking=True)
+            self.d2h_stream.synchronize()
+            return host
+
+        return self.offloader.submit(work)
+
+    def _autocast(self) -> Any:
+        """The forward's autocast, also around a recompute (which runs in the backward)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _rng_state(self) -> tuple | None:
         if not self.model.training:
@@ -607,8 +643,6 @@ class SwapEngine:
         return torch.get_rng_state(), cuda
 
     def _replay_rng(self, state: tuple | None) -> Any:
-        import contextlib
-
         if state is None:
             return contextlib.nullcontext()
         cpu, cuda = state
@@ -628,7 +662,14 @@ class SwapEngine:
         self.finish_step()
         for k, fut in self.pending.items():
             fut.result()
-            self.memory.release(self.submodel_bytes[k])
+            self._release(self.submodel_bytes[k])
         self.pending.clear()
         self.copier.close()
         self.offloader.shutdown(wait=True)
+
+
+def _backward(outs: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
+    """Backward from every output that got a gradient and has a graph."""
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

@@ -12,7 +12,8 @@ from atomtrain.engine.engine import EngineConfig, SwapEngine
 from atomtrain.engine.plan import ExecutionPlan, Policy
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.errors import AtomError
-from atomtrain.optim import AdamW
+from atomtrain.optim import AdamW, LossScaler
+from atomtrain.planner.host import HostSpec, check_host_memory, machine_memory_bytes
 from atomtrain.planner.partition import parse_bytes, plan_dp, predict
 from atomtrain.planner.profile import cached_profile
 
@@ -46,8 +47,12 @@ def choose_plan(model: nn.Module, cfg: RunConfig, device: torch.device) -> Execu
         cache_dir() / "profiles",
         ec.blocks,
     )
-    plan = plan_dp(prof, budget, micro_batches, ec.max_blocks_per_submodel)
+    plan = plan_dp(
+        prof, budget - gpu_reserve(budget, device), micro_batches, ec.max_blocks_per_submodel
+    )
     pred = predict(prof, plan, micro_batches)
+    itemsize = torch.empty((), dtype=DTYPES[ec.param_dtype]).element_size()
+    check_host_memory(prof, plan, HostSpec(machine_memory_bytes(), device_itemsize=itemsize))
     log.info(
         "plan: %s, %d micro-batches per load; predicted step %.3fs (bound %.3fs), "
         "peak %d of %d bytes",
@@ -66,8 +71,17 @@ def check_engine_section(ec: EngineSection) -> None:
         raise AtomError(
             f"engine.param_dtype must be one of {', '.join(DTYPES)}, got {ec.param_dtype!r}"
         )
+    LossScaler.for_precision(ec.precision)  # a one-line error for an unknown precision
     if ec.submodels < 0 or ec.max_blocks_per_submodel < 1:
         raise AtomError("engine.submodels must be >= 0 and engine.max_blocks_per_submodel >= 1")
+
+
+def gpu_reserve(budget: int, device: torch.device) -> int:
+    """Bytes of the budget held back on a GPU for what the engine cannot count (context
+    workspaces, allocator rounding, stream pools): 5%, at least 256 MiB, at most half."""
+    if device.type != "cuda":
+        return 0
+    return min(budget // 2, max(256 << 20, budget // 20))
 
 
 def swap_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.device) -> SwapRunner:
@@ -75,7 +89,11 @@ def swap_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.devi
     check_engine_section(cfg.engine)
     budget = parse_bytes(cfg.engine.device_memory)
     plan = choose_plan(model, cfg, device)
+    ec = cfg.engine
     engine = SwapEngine(
-        model, plan, EngineConfig(budget, cfg.engine.param_dtype, cfg.engine.blocks), device
+        model,
+        plan,
+        EngineConfig(budget, ec.param_dtype, ec.blocks, gpu_reserve(budget, device), ec.precision),
+        device,
     )
     return SwapRunner(engine, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip)

@@ -1,76 +1,103 @@
 """The swap engine as a StepRunner: passes through the engine, the optimizer on the host.
 
-The optimizer steps each sub-model on a host thread as soon as that is exact: without clipping,
-right when the sub-model's gradients are final (overlapping the backward of earlier sub-models);
-with clipping, once the global norm is known, in forward order, overlapping the next step's
-forward, whose load of a sub-model waits for that sub-model's step.
+A step is exact only once the whole backward is done: a non-finite gradient anywhere skips the
+step everywhere (as the plain runner does), and clipping scales every gradient by the global
+norm. So the runner validates first (global norm finite, clip factor), then steps the outer part
+and the sub-models on a host thread in the order the next forward needs them: the next step's
+forward overlaps their optimizer steps, its load of sub-model k waiting only for k's step.
+
+`stats` says how much of the optimizer's time the compute thread actually waited for.
 """
 
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from atomtrain.engine.engine import SwapEngine
 from atomtrain.optim import AdamW, clip_scale, grad_norm
+from atomtrain.optim.scaler import LossScaler
 from atomtrain.train.runner import split_rows
+
+
+@dataclass
+class OptimizerStats:
+    """Host optimizer time, and the part of it the training thread waited for."""
+
+    optimizer_s: float = 0.0
+    """Seconds the optimizer thread spent stepping."""
+    waited_s: float = 0.0
+    """Seconds the training thread waited for an optimizer step (loads gated on a step, the
+    outer part's step, `sync`)."""
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Share of the optimizer's time hidden behind training (1: all of it)."""
+        if self.optimizer_s <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.waited_s / self.optimizer_s)
 
 
 class SwapRunner:
     def __init__(
-        self, engine: SwapEngine, optimizer: AdamW, micro_batch_rows: int, grad_clip: float
+        self,
+        engine: SwapEngine,
+        optimizer: AdamW,
+        micro_batch_rows: int,
+        grad_clip: float,
+        scaler: LossScaler | None = None,
     ) -> None:
         self.engine = engine
         self.optimizer = optimizer
         self.micro = micro_batch_rows
         self.grad_clip = grad_clip
+        self.scaler = scaler or LossScaler.for_precision(engine.cfg.precision)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="atom-optim")
-        self._lr = 0.0
-        self._overlap = False
+        self.stats = OptimizerStats()
         self.names = [list(names.values()) for names in engine.block_param_names]
         self.submodel_names = [
             [n for i in s.blocks for n in self.names[i]] for s in engine.plan.submodels
         ]
-        engine.on_grads_ready = self._grads_ready
 
-    def _schedule(self, k: int, names: list[str], scale: float, wait: list[Future]) -> None:
-        lr = self._lr
-
+    def _schedule(self, k: int, names: list[str], lr: float, scale: float) -> None:
         def step() -> None:
-            for f in wait:
-                f.result()
+            t0 = time.perf_counter()
             self.optimizer.step(names, lr, scale)
             self.engine.refresh_staging(names)
+            self.stats.optimizer_s += time.perf_counter() - t0
             self.engine.trace.record("opt_step", k)
 
         self.engine.gates[k] = self.pool.submit(step)
 
-    def _grads_ready(self, k: int, futures: list[Future]) -> None:
-        if self._overlap:
-            self._schedule(k, self.submodel_names[k], 1.0, futures)
-
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> dict[str, float]:
         self.engine.model.train()
-        self._lr = lr
-        self._overlap = self.grad_clip <= 0
         rows = self.micro * self.engine.plan.micro_batches_per_load
         parts = split_rows(x, y, rows)
+        loss_scale = self.scaler.scale
         total = 0.0
         for j, (xp, yp) in enumerate(parts):
             w = len(xp) / len(x)
-            loss = self.engine.run_pass(xp, yp, w, first=j == 0, final=j == len(parts) - 1)
+            loss = self.engine.run_pass(
+                xp, yp, w * loss_scale, first=j == 0, final=j == len(parts) - 1
+            )
             total += loss * w
         self.engine.finish_step()
         params = self.engine.host_params
-        norm = grad_norm({n: p.grad for n, p in params.items() if p.grad is not None})
-        if math.isfinite(norm):
-            scale = clip_scale(norm, self.grad_clip)
-            if not self._overlap:
-                for k, names in enumerate(self.submodel_names):
-                    self._schedule(k, names, scale, [])
-            self._schedule(-1, self.engine.outer_param_names, scale, [])
+        scaled = grad_norm({n: p.grad for n, p in params.items() if p.grad is not None})
+        norm = scaled / loss_scale
+        finite = math.isfinite(norm)
+        self.scaler.update(finite)
+        if finite:
+            scale = clip_scale(norm, self.grad_clip) / loss_scale
+            # The outer part first: the next forward starts with it.
+            self._schedule(-1, self.engine.outer_param_names, lr, scale)
+            for k, names in enumerate(self.submodel_names):
+                self._schedule(k, names, lr, scale)
+        self.stats.waited_s = self.engine.gate_wait_s
         return {"loss": total, "grad_norm": norm}
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -78,8 +105,11 @@ class SwapRunner:
         return self.engine.forward_loss(x, y)
 
     def sync(self) -> None:
+        t0 = time.perf_counter()
         for fut in list(self.engine.gates.values()):
             fut.result()
+        self.engine.gate_wait_s += time.perf_counter() - t0
+        self.stats.waited_s = self.engine.gate_wait_s
 
     def host_parameters(self) -> dict[str, torch.Tensor]:
         self.sync()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,10 +46,12 @@ class Loaded:
     blocks: list[dict[str, torch.Tensor]]
     nbytes: int
     ready: torch.cuda.Event | None = None
+    gate_wait_s: float = 0.0
+    """Seconds the copy waited for its gate (the optimizer step writing its source)."""
 
-    def wait(self) -> None:
+    def wait(self, device: torch.device) -> None:
         if self.ready is not None:
-            stream = torch.cuda.current_stream()
+            stream = torch.cuda.current_stream(device)
             stream.wait_event(self.ready)
             # Allocated on the copy stream, used on this one: keep the allocator from reusing
             # the memory before this stream is done with it.
@@ -71,9 +74,10 @@ class Copier:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        dtype = self.dtype if t.is_floating_point() else t.dtype
-        # copy=True: on the CPU the "device" copy must be a buffer of its own, as on a GPU.
-        return t.detach().to(self.device, dtype=dtype, non_blocking=True, copy=True)
+        # The engine hands over sources already at the device dtype (staged parameters,
+        # buffers as they are). copy=True: on the CPU the "device" copy must be a buffer of
+        # its own, as on a GPU.
+        return t.detach().to(self.device, non_blocking=True, copy=True)
 
     def load(
         self,
@@ -85,11 +89,13 @@ class Copier:
         started = threading.Event()
 
         def work() -> Loaded:
+            t0 = time.perf_counter()
             try:
                 if before is not None:
                     before()  # e.g. wait for this sub-model's optimizer step
                 self.trace.record("load_start", k)
             finally:
+                gate_s = time.perf_counter() - t0
                 started.set()
             ready = None
             if self.stream is not None:
@@ -100,7 +106,7 @@ class Copier:
             else:
                 blocks = [{n: self._to_device(t) for n, t in b.items()} for b in host]
             self.trace.record("load_end", k)
-            return Loaded(blocks, nbytes, ready)
+            return Loaded(blocks, nbytes, ready, gate_s)
 
         fut = self.pool.submit(work)
         started.wait()
@@ -111,3 +117,84 @@ class Copier:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+
+
+class PinnedPool:
+    """A bounded set of reused host staging buffers (pinned on CUDA, so copies into them run
+    asynchronously): device-to-host gradient copies land in one, then are accumulated into the
+    fp32 `.grad` on the host, and the buffer goes back. At most `count` buffers of
+    `buffer_bytes` exist; a copy waits for a free one instead of allocating."""
+
+    def __init__(self, buffer_bytes: int, count: int, pinned: bool) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.count = count
+        self.pinned = pinned
+        self._free: list[torch.Tensor] = []
+        self._made = 0
+        self._cond = threading.Condition()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.buffer_bytes * self.count
+
+    def acquire(self) -> torch.Tensor:
+        with self._cond:
+            while not self._free and self._made >= self.count:
+                self._cond.wait()
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+def copy_grads_to_host(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] | list,
+    pool: PinnedPool,
+    replace: bool,
+    stream: torch.cuda.Stream | None,
+    ready: torch.cuda.Event | None,
+) -> None:
+    """Device gradients `g` into the host masters' fp32 `.grad` (replacing or accumulating),
+    through pooled staging buffers: no host memory is allocated after the first step."""
+    i = 0
+    while i < len(pairs):
+        buf = pool.acquire()
+        try:
+            batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+            used = 0
+            while i < len(pairs):
+                g = pairs[i][1]
+                n = g.numel() * g.element_size()
+                if batch and used + n > pool.buffer_bytes:
+                    break
+                if n > pool.buffer_bytes:  # larger than any buffer: a one-off host tensor
+                    batch.append((pairs[i][0], g, None))
+                else:
+                    view = buf[used : used + n].view(g.dtype).view(g.shape)
+                    batch.append((pairs[i][0], g, view))
+                    used += n
+                i += 1
+            if stream is not None and ready is not None:
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    staged = [
+                        (h, v.copy_(g, non_blocking=True) if v is not None else g.to("cpu"))
+                        for h, g, v in batch
+                    ]
+                stream.synchronize()
+            else:
+                staged = [(h, v.copy_(g) if v is not None else g.to("cpu")) for h, g, v in batch]
+            for h, s in staged:
+                if replace or h.grad is None:
+                    if h.grad is None or h.grad.shape != h.shape:
+                        h.grad = torch.empty_like(h, dtype=torch.float32)
+                    h.grad.copy_(s)
+                else:
+                    h.grad.add_(s)
+        finally:
+            pool.release(buf)

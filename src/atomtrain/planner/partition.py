@@ -44,6 +44,9 @@ class SubModelCost:
     """Device bytes held from its forward to its backward."""
     workspace: int
     """Device bytes that come and go during its backward."""
+    restore_s: float = 0.0
+    """Host-to-device time of its offloaded activations in the backward: the link is shared
+    with the load of the sub-model before it, which runs at the same time."""
 
 
 def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy, m: int) -> SubModelCost:
@@ -53,16 +56,20 @@ def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy, m: i
     fwd = m * sum(b.fwd_s for b in blocks)
     bwd = m * sum(b.bwd_s for b in blocks)
     max_saved = m * max(b.saved_bytes for b in blocks)
+    # Gradients of a block's output and input exist during its backward under any policy.
+    act_grads = 2 * m * max(b.input_bytes for b in blocks)
+    restore = 0.0
     if policy is Policy.KEEP:
-        saved, work = m * sum(b.saved_bytes for b in blocks), 0
+        saved, work = m * sum(b.saved_bytes for b in blocks), act_grads
     elif policy is Policy.OFFLOAD:  # copies made by the compute thread: on the critical path
         moved = m * sum(b.saved_bytes for b in blocks)
+        restore = moved / prof.h2d_bytes_per_s
         fwd += moved / prof.d2h_bytes_per_s
-        bwd += moved / prof.h2d_bytes_per_s
-        saved, work = 0, max_saved
+        bwd += restore
+        saved, work = 0, max_saved + act_grads
     else:
         bwd += fwd
-        saved, work = m * sum(b.input_bytes for b in blocks), max_saved
+        saved, work = m * sum(b.input_bytes for b in blocks), max_saved + act_grads
     return SubModelCost(
         params,
         grads,
@@ -72,6 +79,21 @@ def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy, m: i
         bwd,
         saved,
         work,
+        restore,
+    )
+
+
+def _bwd_slot(c: SubModelCost, prev: SubModelCost | None) -> float:
+    """A sub-model's backward, the load of the one before it (sharing the host-to-device link
+    with its restored activations) and its gradients' copy back, all at once."""
+    return max(c.bwd_s, (prev.load_s if prev else 0.0) + c.restore_s, c.grad_s)
+
+
+def _outer_transfer_s(prof: ModelProfile, passes: int) -> float:
+    """The outer part's load at the start of a step and its gradients' copy after each pass:
+    on the training thread, hidden behind nothing."""
+    return prof.outer_param_bytes / prof.h2d_bytes_per_s + passes * (
+        prof.outer_grad_bytes / prof.d2h_bytes_per_s
     )
 
 
@@ -79,7 +101,8 @@ def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy, m: i
 class Prediction:
     step_s: float
     lower_bound_s: float
-    """max(total compute, total host-to-device transfer) of a step: no plan beats it."""
+    """max(the step's compute, one load of every parameter): no plan of any cut points,
+    policies or micro-batches per load beats it."""
     peak_bytes: int
     passes: int
     costs: tuple[SubModelCost, ...]
@@ -107,17 +130,23 @@ def predict(prof: ModelProfile, plan: ExecutionPlan, micro_batches: int) -> Pred
         nxt = costs[s + 1] if s + 1 < S else None
         prev = costs[s - 1] if s > 0 else None
         per_pass += max(c.fwd_s, nxt.load_s if nxt else 0.0)
-        per_pass += max(c.bwd_s, prev.load_s if prev else 0.0, c.grad_s)
+        per_pass += _bwd_slot(c, prev)
         if nxt:
             window = max(window, _pair_window(c, nxt))
-    step = costs[0].load_s + passes * per_pass
+    step = costs[0].load_s + passes * per_pass + _outer_transfer_s(prof, passes)
     peak = _outer_bytes(prof, m) + sum(c.saved for c in costs) + window
-    plain = [submodel_cost(prof, s.start, s.end, Policy.KEEP, m) for s in plan.submodels]
-    compute = passes * (
-        sum(c.fwd_s + c.bwd_s for c in plain) + m * (prof.outer_fwd_s + prof.outer_bwd_s)
+    return Prediction(step, lower_bound(prof, micro_batches), peak, passes, tuple(costs))
+
+
+def lower_bound(prof: ModelProfile, micro_batches: int) -> float:
+    """No plan's step is shorter: every micro-batch's compute, and every parameter loaded once."""
+    compute = micro_batches * (
+        sum(b.fwd_s + b.bwd_s for b in prof.blocks) + prof.outer_fwd_s + prof.outer_bwd_s
     )
-    transfer = (passes * 2 - 1) * sum(c.load_s for c in costs)
-    return Prediction(step, max(compute, transfer), peak, passes, tuple(costs))
+    loads = (prof.outer_param_bytes + sum(b.param_bytes for b in prof.blocks)) / (
+        prof.h2d_bytes_per_s
+    )
+    return max(compute, loads)
 
 
 def _divisors(n: int) -> list[int]:
@@ -156,9 +185,35 @@ class _Label:
     plan: tuple[SubModel, ...]
 
 
-def _pareto_insert(front: list[_Label], new: _Label) -> None:
+FRONT_CAP = 32
+"""Labels a state keeps exactly; beyond it labels are merged on a byte grid (`_thin`). Small
+models never reach it (the dynamic program stays exact, as the brute-force tests check); a
+175B model on 80 GB would otherwise keep thousands per state and plan for minutes."""
+
+
+def _thin(front: list[_Label], room: int) -> None:
+    """Keep the fastest label per cell of a grid over (saved, window), the grid coarsened
+    until at most half the cap remain: plans whose memory differs by less than a cell are
+    treated as alike (the kept one may use up to a cell more, still checked against room)."""
+    cell = max(1, room // 4096)
+    # The label using the least memory stays whatever the grid: it may be the only one that
+    # fits what follows.
+    safest = min(front, key=lambda lab: (lab.saved + lab.window, lab.time))
+    while len(front) > FRONT_CAP // 2:
+        best: dict[tuple[int, int], _Label] = {}
+        for lab in front:
+            key = (lab.saved // cell, lab.window // cell)
+            if key not in best or lab.time < best[key].time:
+                best[key] = lab
+        front[:] = list(best.values())
+        cell *= 2
+    if safest not in front:
+        front.append(safest)
+
+
+def _pareto_insert(front: list[_Label], new: _Label, room: int = 0) -> None:
     """Add `new` unless a label at least as good in time, saved bytes and window exists;
-    drop the labels it dominates."""
+    drop the labels it dominates; thin a front grown past the cap."""
     for old in front:
         if old.time <= new.time and old.saved <= new.saved and old.window <= new.window:
             return
@@ -169,6 +224,8 @@ def _pareto_insert(front: list[_Label], new: _Label) -> None:
             if not (new.time <= o.time and new.saved <= o.saved and new.window <= o.window)
         ]
     front.append(new)
+    if room and len(front) > FRONT_CAP:
+        _thin(front, room)
 
 
 def _plan_for_m(
@@ -203,9 +260,8 @@ def _plan_for_m(
         # KEEP and RECOMPUTE sub-models cost their successors alike: one state for both.
         key = (key[0], key[1], Policy.OFFLOAD if key[2] is Policy.OFFLOAD else Policy.KEEP)
         last = lab.plan[-1]
-        if lab.time + cost[last.start, last.end, last.policy].fwd_s + rest_s[
-            key[0]
-        ] + outer_s > bound * (1 + 1e-12):
+        c = cost[last.start, last.end, last.policy]
+        if lab.time + rest_bound(key[0], c) + outer_s > bound * (1 + 1e-12):
             return
         front = fronts.setdefault(key, [])
         best_safe = safe_time.get(key)
@@ -214,7 +270,7 @@ def _plan_for_m(
         if lab.saved + keep_suffix[key[0]] + max(lab.window, w_max) <= room:
             safe_time[key] = lab.time
             front[:] = [o for o in front if o.time < lab.time]
-        _pareto_insert(front, lab)
+        _pareto_insert(front, lab, room)
 
     safe_time: dict[tuple[int, int, Policy], float] = {}
     # Incumbent for branch and bound: the best uniform plan. A label whose time plus what
@@ -223,8 +279,30 @@ def _plan_for_m(
     if known is not None:  # the best step time already found for another m
         incumbent = known if incumbent is None else min(incumbent, known)
     outer_s = m * (prof.outer_fwd_s + prof.outer_bwd_s)
-    rest_s = [m * sum(b.fwd_s + b.bwd_s for b in prof.blocks[i:]) for i in range(N + 1)]
-    bound = incumbent / passes if incumbent is not None else float("inf")
+    # What blocks end.. must still cost, whatever the plan: their forward slots sum to at least
+    # their compute and at least their loads, and so do their backward slots (a sub-model's
+    # backward slot waits for the load of the one before it, the last of which may be the
+    # final sub-model's predecessor: the final max_len blocks' loads are left out).
+    fwd_rest = [m * sum(b.fwd_s for b in prof.blocks[i:]) for i in range(N + 1)]
+    bwd_rest = [m * sum(b.bwd_s for b in prof.blocks[i:]) for i in range(N + 1)]
+    load_rest = [
+        sum(b.param_bytes for b in prof.blocks[i:]) / prof.h2d_bytes_per_s for i in range(N + 1)
+    ]
+    grad_rest = [
+        sum(b.grad_bytes for b in prof.blocks[i:]) / prof.d2h_bytes_per_s for i in range(N + 1)
+    ]
+    tail_load = load_rest[max(0, N - max_len)]
+
+    def rest_bound(end: int, last: SubModelCost) -> float:
+        fwd = max(last.fwd_s + fwd_rest[end], load_rest[end])
+        bwd = max(bwd_rest[end], grad_rest[end], last.load_s + load_rest[end] - tail_load)
+        return fwd + bwd if end < N else last.fwd_s
+
+    bound = (
+        (incumbent - _outer_transfer_s(prof, passes)) / passes
+        if incumbent is not None
+        else float("inf")
+    )
     # fronts[(end, start, policy)]: labels for plans of blocks [0, end) whose last sub-model is
     # [start, end) under policy, with time counted except that sub-model's forward slot.
     fronts: dict[tuple[int, int, Policy], list[_Label]] = {}
@@ -232,7 +310,7 @@ def _plan_for_m(
         if a == 0:
             window = c.params + c.grads + c.workspace
             if c.saved + window <= room:
-                t = c.load_s / passes + max(c.bwd_s, c.grad_s)
+                t = c.load_s / passes + _bwd_slot(c, None)
                 insert((b, 0, pol), _Label(t, c.saved, window, (SubModel(0, b, pol),)))
     for end in range(1, N + 1):
         for start in range(end):
@@ -248,11 +326,7 @@ def _plan_for_m(
                             saved = lab.saved + nxt.saved
                             if saved + window > room:
                                 continue
-                            t = (
-                                lab.time
-                                + max(prev.fwd_s, nxt.load_s)
-                                + max(nxt.bwd_s, prev.load_s, nxt.grad_s)
-                            )
+                            t = lab.time + max(prev.fwd_s, nxt.load_s) + _bwd_slot(nxt, prev)
                             insert(
                                 (stop, end, npol),
                                 _Label(t, saved, window, (*lab.plan, SubModel(end, stop, npol))),
@@ -263,6 +337,7 @@ def _plan_for_m(
             continue
         for lab in front:
             total = passes * (lab.time + cost[start, end, lab.plan[-1].policy].fwd_s + outer_s)
+            total += _outer_transfer_s(prof, passes)
             if best is None or total < best[0] - 1e-15:
                 best = (total, ExecutionPlan(lab.plan, m))
     return best
@@ -309,8 +384,14 @@ def plan_dp(
     """The plan with the least predicted step time whose predicted peak fits `budget`, among
     plans whose sub-models have at most `max_len` blocks."""
     best: tuple[float, ExecutionPlan] | None = None
-    for m in _divisors(micro_batches):
-        found = _plan_for_m(prof, budget, micro_batches, m, max_len, best[0] if best else None)
+    # The best simple plan over every m bounds the search for each m from the start.
+    uniform = [
+        _best_uniform(prof, budget, micro_batches, m, max_len) for m in _divisors(micro_batches)
+    ]
+    known = min((t for t in uniform if t is not None), default=None)
+    for m in reversed(_divisors(micro_batches)):
+        bound = best[0] if best else known
+        found = _plan_for_m(prof, budget, micro_batches, m, max_len, bound)
         if found and (best is None or found[0] < best[0] - 1e-15):
             best = found
     if best is None:

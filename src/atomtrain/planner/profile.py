@@ -262,6 +262,7 @@ def measure_profile(
     layout = find_blocks(model, blocks_path or None)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 256)
     idx = torch.randint(0, vocab, (rows, seq_len), device=device)
+    tgt = torch.randint(0, vocab, (rows, seq_len), device=device)  # saved apart from idx
     outer = _outer_tensors(model, layout, device, dtype)
     captured: dict[int, BlockInputs] = {}
 
@@ -282,7 +283,7 @@ def measure_profile(
     with layout.replaced(Capture):
 
         def outer_fwd() -> torch.Tensor:
-            out = functional_call(model, outer, (idx, idx))
+            out = functional_call(model, outer, (idx, tgt))
             return out[1] if isinstance(out, tuple) else out.loss
 
         with torch.no_grad():
