@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from atomtrain.checks import resolve_and_validate
 from atomtrain.config import DataSection, ModelSection, RunConfig
 from atomtrain.data import (
     LoaderConfig,
@@ -29,6 +30,9 @@ from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW
 from atomtrain.train.checkpoint import (
+    FILES as CHECKPOINT_FILES,
+)
+from atomtrain.train.checkpoint import (
     Checkpoint,
     check_matches,
     latest_checkpoint,
@@ -37,6 +41,7 @@ from atomtrain.train.checkpoint import (
 from atomtrain.train.metrics import MetricsLog
 from atomtrain.train.runner import PlainRunner, StepRunner
 from atomtrain.train.trainer import Trainer, TrainState
+from atomtrain.values import atomic_write_text
 
 if TYPE_CHECKING:
     from atomtrain.data.reuse import EchoingLoader
@@ -139,24 +144,42 @@ class Session:
     resumed_peer_state: dict | None = None
 
 
-def new_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
+def planned_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
+    """Where a new run goes; AtomError, before anything is touched, when it cannot go there."""
     name = cfg.run.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.out_dir) / name
-    if run_dir.exists():
+    if run_dir.exists() or run_dir.is_symlink():
         if not overwrite:
             raise AtomError(
                 f"run directory {run_dir} already exists; pass --overwrite to replace "
                 f"it or --resume {run_dir} to continue it"
             )
-        shutil.rmtree(run_dir)
+        if not run_dir.is_dir() or run_dir.is_symlink():
+            raise AtomError(f"{run_dir} is not a run directory; --overwrite replaces only those")
+    return run_dir
+
+
+def new_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
+    """Create the run directory, replacing an existing one only with `overwrite`.
+
+    The old directory is first renamed aside, so a crash in between never leaves a half-deleted
+    run under the real name.
+    """
+    run_dir = planned_run_dir(cfg, overwrite)
+    if run_dir.exists():
+        aside = run_dir.with_name(f".{run_dir.name}.replaced-{os.getpid()}")
+        os.replace(run_dir, aside)
+        shutil.rmtree(aside, ignore_errors=True)
     run_dir.mkdir(parents=True)
     return run_dir
 
 
 def resolve_resume(path: Path) -> tuple[Path, Path]:
     """(run directory, checkpoint) from either a run directory or a checkpoint directory."""
-    if (path / "manifest.json").exists():
-        return path.parent.parent, path
+    if not path.is_dir():
+        raise AtomError(f"--resume {path} is not a run or checkpoint directory")
+    if (path / "manifest.json").exists() or any((path / f).exists() for f in CHECKPOINT_FILES):
+        return path.parent.parent, path  # a checkpoint; load_checkpoint names any missing file
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise AtomError(f"{path} holds no checkpoint to resume from")
@@ -164,10 +187,16 @@ def resolve_resume(path: Path) -> tuple[Path, Path]:
 
 
 def saved_config(run_dir: Path) -> dict:
+    where = run_dir / "config.json"
     try:
-        return json.loads((run_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise AtomError(f"{run_dir}/config.json is missing or unreadable") from e
+        saved = json.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AtomError(f"{where} is missing") from None
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise AtomError(f"{where} is unreadable ({type(e).__name__})") from None
+    if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+        raise AtomError(f"{where} is not a config: it must be an object of sections")
+    return saved
 
 
 def open_session(
@@ -176,23 +205,21 @@ def open_session(
     overwrite: bool = False,
     runner_factory: RunnerFactory = plain_runner,
 ) -> Session:
-    """Everything a run needs, ready for `session.trainer.fit()`."""
+    """Everything a run needs, ready for `session.trainer.fit()`.
+
+    Everything that can be refused is checked before the run directory is created, replaced or
+    written to, so a refused command leaves what existed as it was.
+    """
+    cfg = resolve_and_validate(cfg)
     device = resolve_device(cfg.run.device)
-    shards = prepared_data(cfg.data)
-    mc = model_config(cfg.model, shards.vocab_size, cfg.data.seq_len)
-    if cfg.data.input not in ("shards", "stream"):
-        raise AtomError(f"data.input must be shards or stream, got {cfg.data.input!r}")
-    if cfg.data.rows % cfg.train.micro_batch_rows:
-        raise AtomError(
-            f"data.rows ({cfg.data.rows}) must be a multiple of "
-            f"train.micro_batch_rows ({cfg.train.micro_batch_rows})"
-        )
     ckpt = None
     if resume is not None:
         run_dir, ckpt_path = resolve_resume(resume)
         ckpt = load_checkpoint(ckpt_path)  # verified before anything is touched
     else:
-        run_dir = new_run_dir(cfg, overwrite)
+        run_dir = planned_run_dir(cfg, overwrite)
+    shards = prepared_data(cfg.data)
+    mc = model_config(cfg.model, shards.vocab_size, cfg.data.seq_len)
     model = build_model(mc, cfg.train.seed)
     params = dict(model.named_parameters())
     opt = AdamW(params, cfg.optim)
@@ -218,14 +245,22 @@ def open_session(
         if ckpt.rng_state is not None:
             torch.set_rng_state(ckpt.rng_state)
         state = TrainState(step=int(ckpt.state["step"]), tokens=int(ckpt.state["tokens"]))
-        MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    (run_dir / "tokenizer.json").write_text(json.dumps(shards.manifest["tokenizer"]))
     if cfg.engine.device_memory and runner_factory is plain_runner:
         from atomtrain.engine.factory import swap_runner
 
         runner_factory = swap_runner
-    runner = runner_factory(model, opt, cfg, device)
+    try:
+        runner = runner_factory(model, opt, cfg, device)
+    except BaseException:
+        loader.close()
+        raise
+    # Nothing was refused: only now is the run directory made, replaced or written to.
+    if ckpt is None:
+        run_dir = new_run_dir(cfg, overwrite)
+    else:
+        MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
+    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    atomic_write_text(run_dir / "tokenizer.json", json.dumps(shards.manifest["tokenizer"]))
     trainer = Trainer(
         runner=runner,
         loader=loader,

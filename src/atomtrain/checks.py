@@ -1,0 +1,130 @@
+"""Every field of a RunConfig checked in one place, before anything is created or deleted.
+
+`load_run_config` calls `resolve_and_validate` on every config it builds (defaults, TOML file,
+overrides, a resumed run's saved config), so a command that is going to fail fails here: no run
+directory made, none replaced, no checkpoint touched. Each check names the field at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from atomtrain.errors import AtomError
+from atomtrain.values import check_choice, check_number, check_port, check_seed, parse_size
+
+if TYPE_CHECKING:
+    from atomtrain.config import RunConfig
+
+DEFAULT_SEQ_LEN_CAP = 128
+"""`data.seq_len = 0` means the model's context, but no more than this."""
+
+
+def resolve_and_validate(cfg: RunConfig) -> RunConfig:
+    """`cfg` with defaults that depend on other fields filled in (data.seq_len), all checked."""
+    from atomtrain.models import GPTConfig
+
+    _check_run(cfg)
+    m = cfg.model
+    mc = GPTConfig.from_name(m.preset)  # names the known presets when it is not one
+    for name in ("n_layer", "n_embd", "n_head"):
+        check_number(getattr(m, name), f"model.{name}", 0)
+    n_embd, n_head = m.n_embd or mc.n_embd, m.n_head or mc.n_head
+    if n_embd % n_head:
+        raise AtomError(f"model.n_embd ({n_embd}) must be a multiple of model.n_head ({n_head})")
+    check_number(m.dropout, "model.dropout", 0.0, 1.0)
+    if m.dropout >= 1.0:
+        raise AtomError(f"model.dropout must be below 1, got {m.dropout}")
+    d = cfg.data
+    seq_len = d.seq_len or min(mc.block_size, DEFAULT_SEQ_LEN_CAP)
+    check_number(d.seq_len, "data.seq_len", 0)
+    if seq_len > mc.block_size:
+        raise AtomError(
+            f"data.seq_len ({seq_len}) exceeds model {m.preset!r}'s context ({mc.block_size}); "
+            f"pass --data.seq_len={mc.block_size} or less"
+        )
+    _check_data(cfg)
+    _check_train(cfg)
+    _check_engine(cfg)
+    _check_peer(cfg)
+    if seq_len != d.seq_len:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(d, seq_len=seq_len))
+    return cfg
+
+
+def _check_run(cfg: RunConfig) -> None:
+    name = cfg.run.name
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise AtomError(f"run.name must be a plain name without slashes, got {name!r}")
+    check_choice(cfg.run.device, "run.device", ("auto", "cpu", "cuda"))
+    out = Path(cfg.run.out_dir)
+    if not cfg.run.out_dir or "\0" in cfg.run.out_dir:
+        raise AtomError(f"run.out_dir must name a directory, got {cfg.run.out_dir!r}")
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            raise AtomError(f"run.out_dir {out}: {parent} is a file, not a directory")
+
+
+def _check_data(cfg: RunConfig) -> None:
+    d = cfg.data
+    if not d.source:
+        raise AtomError("data.source must name a file, a directory, a glob or stdlib")
+    check_choice(d.tokenizer, "data.tokenizer", ("byte", "bpe"))
+    check_number(d.rows, "data.rows", 1)
+    check_seed(d.seed, "data.seed")
+    check_choice(d.input, "data.input", ("shards", "stream"))
+    check_number(d.input_rate, "data.input_rate", 0.0)
+    check_choice(d.reuse, "data.reuse", ("auto", "off"))
+    check_number(d.max_echo, "data.max_echo", 1)
+
+
+def _check_train(cfg: RunConfig) -> None:
+    t = cfg.train  # TrainConfig checks its own ranges; these need other sections
+    check_seed(t.seed, "train.seed")
+    if cfg.data.rows % t.micro_batch_rows:
+        raise AtomError(
+            f"data.rows ({cfg.data.rows}) must be a multiple of "
+            f"train.micro_batch_rows ({t.micro_batch_rows})"
+        )
+    o = cfg.optim
+    check_number(o.beta1, "optim.beta1", 0.0, 1.0)
+    check_number(o.beta2, "optim.beta2", 0.0, 1.0)
+    check_number(o.eps, "optim.eps", 0.0, lo_open=True)
+    check_number(o.weight_decay, "optim.weight_decay", 0.0)
+    if o.beta1 >= 1.0 or o.beta2 >= 1.0:
+        raise AtomError("optim.beta1 and optim.beta2 must be below 1")
+
+
+def _check_engine(cfg: RunConfig) -> None:
+    e = cfg.engine
+    if not e.device_memory:
+        return
+    from atomtrain.engine.factory import check_engine_section
+
+    parse_size(e.device_memory, "engine.device_memory")
+    check_engine_section(e)
+    check_choice(e.policy, "engine.policy", ("keep", "offload", "recompute"))
+
+
+def _check_peer(cfg: RunConfig) -> None:
+    p = cfg.peer
+    check_port(p.port, "peer.port")
+    check_number(p.num_peers, "peer.num_peers", 1)
+    if not 0 <= p.index < p.num_peers:
+        raise AtomError(f"peer.index must be in 0-{p.num_peers - 1}, got {p.index}")
+    for name in ("matchmaking_s", "averaging_timeout_s", "state_timeout_s"):
+        check_number(getattr(p, name), f"peer.{name}", 0.0, lo_open=True)
+    check_number(p.sync_every, "peer.sync_every", 1)
+    check_number(p.final_wait_s, "peer.final_wait_s", 0.0)
+    check_number(p.target_group_size, "peer.target_group_size", 1)
+    check_number(p.wait_for, "peer.wait_for", 0)
+    check_number(p.outer_lr, "peer.outer_lr", 0.0, lo_open=True)
+    check_number(p.outer_momentum, "peer.outer_momentum", 0.0, 1.0)
+    check_choice(p.compression, "peer.compression", ("float16", "none"))
+    if p.swarm:
+        from atomtrain.peer.attack import check_attack
+        from atomtrain.peer.auth import load_swarm_key
+
+        check_attack(p.attack)
+        load_swarm_key(p.swarm_key)  # a missing or malformed key file is named here
