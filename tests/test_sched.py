@@ -265,7 +265,10 @@ def test_http_api_answers_good_requests(served: int):
         (json.dumps({"prompt": 3}).encode(), "prompt must be a string"),
         (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), "max_tokens must be between"),
         (json.dumps({"prompt": "x", "max_tokens": 2.5}).encode(), "max_tokens must be a integer"),
-        (json.dumps({"prompt": "x", "temperature": "hot"}).encode(), "temperature must be a number"),
+        (
+            json.dumps({"prompt": "x", "temperature": "hot"}).encode(),
+            "temperature must be a number",
+        ),
         (json.dumps({"prompt": "x", "top_p": 2}).encode(), "top_p must be between"),
         (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "stream must be true or false"),
         (json.dumps({"prompt": "x", "bogus": 1}).encode(), "unknown field 'bogus'"),

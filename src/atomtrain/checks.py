@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     from atomtrain.config import RunConfig
 
 DEFAULT_SEQ_LEN_CAP = 128
-"""`data.seq_len = 0` means the model's context, but no more than this."""
+"""An unset `data.seq_len` is the model's context, but no more than this."""
 
 
-def resolve_and_validate(cfg: RunConfig) -> RunConfig:
-    """`cfg` with defaults that depend on other fields filled in (data.seq_len), all checked."""
+def resolve_and_validate(cfg: RunConfig, seq_len_given: bool = True) -> RunConfig:
+    """`cfg`, all checked; an unset data.seq_len (`seq_len_given` false) fitted to the model."""
     from atomtrain.models import GPTConfig
 
     _check_run(cfg)
@@ -37,8 +37,8 @@ def resolve_and_validate(cfg: RunConfig) -> RunConfig:
     if m.dropout >= 1.0:
         raise AtomError(f"model.dropout must be below 1, got {m.dropout}")
     d = cfg.data
-    seq_len = d.seq_len or min(mc.block_size, DEFAULT_SEQ_LEN_CAP)
-    check_number(d.seq_len, "data.seq_len", 0)
+    seq_len = d.seq_len if seq_len_given else min(mc.block_size, DEFAULT_SEQ_LEN_CAP)
+    check_number(seq_len, "data.seq_len", 1)
     if seq_len > mc.block_size:
         raise AtomError(
             f"data.seq_len ({seq_len}) exceeds model {m.preset!r}'s context ({mc.block_size}); "

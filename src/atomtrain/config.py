@@ -66,8 +66,8 @@ class DataSection:
     """`byte` or `bpe`, when the data is prepared on the fly."""
     rows: int = 16
     """Sequences per optimizer step."""
-    seq_len: int = 0
-    """Tokens per sequence (0: the model's context, at most 128)."""
+    seq_len: int = 128
+    """Tokens per sequence; when not set, 128 or the model's context if that is shorter."""
     seed: int = 0
     """Seed of the window draw."""
     input: str = "shards"
@@ -272,7 +272,8 @@ def load_run_config(
     if isinstance(cfg, RunConfig):
         from atomtrain.checks import resolve_and_validate
 
-        cfg = resolve_and_validate(cfg)
+        given = "seq_len" in (values.get("data") or {})
+        cfg = resolve_and_validate(cfg, seq_len_given=given)
     return cfg
 
 

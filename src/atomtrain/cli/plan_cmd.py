@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--model", default="small", help="a model preset")
     q.add_argument("--rows", type=int, default=16, help="sequences per micro-batch")
     q.add_argument(
-        "--seq-len", type=int, default=0, help="tokens per sequence (0: the context, at most 128)"
+        "--seq-len", type=int, help="tokens per sequence (default: the context, at most 128)"
     )
     q.add_argument("--device", default="auto", help="auto, cpu or cuda")
     q.add_argument("--dtype", default="float32", help="device dtype of parameters")
@@ -163,7 +163,7 @@ def run_profile(args: argparse.Namespace, _extra: list[str]) -> int:
         raise AtomError(f"--dtype must be one of {', '.join(DTYPES)}")
     device = resolve_device(args.device)
     cfg = GPTConfig.from_name(args.model)
-    seq = args.seq_len or min(cfg.block_size, DEFAULT_SEQ_LEN_CAP)
+    seq = min(cfg.block_size, DEFAULT_SEQ_LEN_CAP) if args.seq_len is None else args.seq_len
     if args.rows <= 0 or seq <= 0:
         raise AtomError("--rows and --seq-len must be positive")
     if seq > cfg.block_size:

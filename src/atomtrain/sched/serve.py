@@ -172,6 +172,9 @@ class InferenceService:
 def make_handler(service: InferenceService) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # a request line too malformed to name its version is answered with a status line and
+        # headers (HTTP/0.9 would send the JSON body bare)
+        default_request_version = "HTTP/1.0"
         timeout = READ_TIMEOUT_S  # of each socket read, so a stalled client cannot hold a thread
 
         def log_message(self, fmt: str, *args: Any) -> None:
