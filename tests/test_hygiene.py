@@ -6,6 +6,7 @@ p2pd daemon that process starts. Nothing the peer started may outlive it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -69,10 +70,8 @@ def test_helpers_die_with_a_peer_killed_during_startup(prepared: Path, tmp_path:
         proc.send_signal(signal.SIGKILL)  # the instant the helper appeared
         proc.wait()
         for p in list(seen.values()):  # anything they started meanwhile is theirs too
-            try:
+            with contextlib.suppress(psutil.Error):
                 seen.update({c.pid: c for c in p.children(recursive=True)})
-            except psutil.Error:
-                pass
         _, alive = psutil.wait_procs(list(seen.values()), timeout=DEATH_TIMEOUT_S)
         assert not alive, f"outlived their peer: {[(p.pid, p.cmdline()) for p in alive]}"
     finally:
@@ -80,7 +79,5 @@ def test_helpers_die_with_a_peer_killed_during_startup(prepared: Path, tmp_path:
             proc.kill()
             proc.wait()
         for p in seen.values():  # reap whatever a failing run left
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-            except psutil.Error:
-                pass

@@ -26,7 +26,7 @@ def load_trained(path: Path) -> tuple[GPT, Tokenizer, Path]:
         raise AtomError(f"checkpoint {ckpt_path} does not describe its model shape") from e
     try:
         spec = json.loads((run_dir / "tokenizer.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
         raise AtomError(f"{run_dir}/tokenizer.json is missing or unreadable") from e
     with torch.device("meta"):
         model = GPT(mc)

@@ -148,6 +148,10 @@ def planned_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
     """Where a new run goes; AtomError, before anything is touched, when it cannot go there."""
     name = cfg.run.name or f"{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.out_dir) / name
+    n = 1
+    while not cfg.run.name and (run_dir.exists() or run_dir.is_symlink()):
+        n += 1  # two unnamed runs started in the same second
+        run_dir = Path(cfg.run.out_dir) / f"{name}-{n}"
     if run_dir.exists() or run_dir.is_symlink():
         if not overwrite:
             raise AtomError(
