@@ -61,9 +61,12 @@ def _check_run(cfg: RunConfig) -> None:
     out = Path(cfg.run.out_dir)
     if not cfg.run.out_dir or "\0" in cfg.run.out_dir:
         raise AtomError(f"run.out_dir must name a directory, got {cfg.run.out_dir!r}")
-    for parent in (out, *out.parents):
-        if parent.exists() and not parent.is_dir():
-            raise AtomError(f"run.out_dir {out}: {parent} is a file, not a directory")
+    try:
+        for parent in (out, *out.parents):
+            if parent.exists() and not parent.is_dir():
+                raise AtomError(f"run.out_dir {out}: {parent} is a file, not a directory")
+    except OSError as e:  # a name too long, a directory we may not look into
+        raise AtomError(f"run.out_dir {out} cannot be used ({e.strerror})") from None
 
 
 def _check_data(cfg: RunConfig) -> None:
@@ -122,6 +125,8 @@ def _check_peer(cfg: RunConfig) -> None:
     check_number(p.outer_lr, "peer.outer_lr", 0.0, lo_open=True)
     check_number(p.outer_momentum, "peer.outer_momentum", 0.0, 1.0)
     check_choice(p.compression, "peer.compression", ("float16", "none"))
+    if "\0" in p.swarm_key:
+        raise AtomError(f"peer.swarm_key must name a file, got {p.swarm_key!r}")
     if p.swarm:
         from atomtrain.peer.attack import check_attack
         from atomtrain.peer.auth import load_swarm_key
