@@ -235,3 +235,11 @@ def test_a_kill_during_pruning_leaves_only_whole_checkpoints(
     assert [p.name for p in (run_copy / "checkpoints").glob("step_*")] == ["step_000004"]
     prune_checkpoints(run_copy, keep=1)  # the next prune removes what the kill left
     assert [p.name for p in (run_copy / "checkpoints").iterdir()] == ["step_000004"]
+
+
+def test_profile_fits_the_sequence_to_a_short_context(atom):
+    code, out, err = atom("profile", "--model", "tiny", "--json")
+    assert code == 0, err
+    assert json.loads(out)["blocks"]
+    refused(atom("profile", "--model", "tiny", "--seq-len", "65"), "context")
+    refused(atom("profile", "--model", "tiny", "--seq-len", "0"), "--seq-len")
