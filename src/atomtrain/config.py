@@ -1,8 +1,9 @@
 """The run configuration: it only combines each component's own config.
 
 Values come from defaults, then a TOML file (`--config run.toml`), then command-line overrides
-(`--train.lr=1e-3`). Every value is checked against its field's type, and components validate their
-own ranges; a bad one raises AtomError naming the field.
+(`--train.lr=1e-3`). Every value is checked against its field's type (floats must be finite), and
+`checks.resolve_and_validate` checks every field's range before anything is created or deleted; a
+bad one raises AtomError naming the field.
 """
 
 from __future__ import annotations
