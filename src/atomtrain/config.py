@@ -1,13 +1,15 @@
 """The run configuration: it only combines each component's own config.
 
 Values come from defaults, then a TOML file (`--config run.toml`), then command-line overrides
-(`--train.lr=1e-3`). Every value is checked against its field's type, and components validate their
-own ranges; a bad one raises AtomError naming the field.
+(`--train.lr=1e-3`). Every value is checked against its field's type (floats must be finite), and
+`checks.resolve_and_validate` checks every field's range before anything is created or deleted; a
+bad one raises AtomError naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import types
 import typing
@@ -73,7 +75,7 @@ class DataSection:
     rows: int = 16
     """Sequences per optimizer step."""
     seq_len: int = 128
-    """Tokens per sequence."""
+    """Tokens per sequence; when not set, 128 or the model's context if that is shorter."""
     seed: int = 0
     """Seed of the window draw."""
     input: str = "shards"
@@ -245,10 +247,12 @@ def _convert(value: Any, typ: Any, where: str) -> Any:
             raise AtomError(f"{where} expects a number, got {value!r}")
         try:
             out = typ(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise AtomError(f"{where} expects {typ.__name__}, got {value!r}") from None
         if typ is int and isinstance(value, float) and value != out:
             raise AtomError(f"{where} expects an integer, got {value!r}")
+        if typ is float and not math.isfinite(out):  # nan/inf train to NaN or never stop
+            raise AtomError(f"{where} must be a finite number, got {value!r}")
         return out
     if typ is str:
         if not isinstance(value, str | int | float):
@@ -291,10 +295,17 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
                 raise AtomError(f"--{key} needs a value")
             value = args[i + 1]
             i += 1
+        parts = key.split(".")
+        if not all(parts):
+            raise AtomError(f"malformed setting name --{key} (e.g. --train.lr=1e-3)")
         node = out
-        *parents, leaf = key.split(".")
+        *parents, leaf = parts
         for p in parents:
             node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise AtomError(f"--{key}: {p} is a value, not a section")
+        if isinstance(node.get(leaf), dict):
+            raise AtomError(f"--{key}: {leaf} is a section, not a value")
         node[leaf] = value
         i += 1
     return out
@@ -316,14 +327,33 @@ def load_run_config(
     """Defaults, then `base` (e.g. a resumed run's config), the TOML file, then overrides."""
     values: dict[str, Any] = dict(base or {})
     if path:
-        try:
-            values = merge(values, tomllib.loads(Path(path).read_text()))
-        except FileNotFoundError:
-            raise AtomError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise AtomError(f"config file {path} is not valid TOML: {e}") from None
+        values = merge(values, read_toml(Path(path)))
     values = merge(values, parse_overrides(overrides or []))
     try:
-        return build(cls, values)
+        cfg = build(cls, values)
     except TypeError as e:  # a component's constructor rejected the combination
         raise AtomError(str(e)) from None
+    if isinstance(cfg, RunConfig):
+        from atomtrain.checks import resolve_and_validate
+
+        given = "seq_len" in (values.get("data") or {})
+        cfg = resolve_and_validate(cfg, seq_len_given=given)
+    return cfg
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's tables, or AtomError naming the file and what is wrong with it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise AtomError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise AtomError(f"config file {path} is a directory, not a TOML file") from None
+    except UnicodeDecodeError:
+        raise AtomError(f"config file {path} is not UTF-8 text") from None
+    except OSError as e:
+        raise AtomError(f"config file {path} cannot be read ({e.strerror})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise AtomError(f"config file {path} is not valid TOML: {e}") from None

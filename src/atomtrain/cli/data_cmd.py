@@ -24,8 +24,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_prepare(args: argparse.Namespace, _extra: list[str]) -> int:
-    from atomtrain.data.shards import PrepareConfig, prepare
+    from atomtrain.data.shards import PrepareConfig, check_prepare_target, prepare
+    from atomtrain.errors import AtomError
 
+    if not 256 <= args.vocab_size <= 1 << 20:  # the byte alphabet is 256 tokens
+        raise AtomError(f"--vocab-size must be in 256-{1 << 20}, got {args.vocab_size}")
+    check_prepare_target(args.out, args.overwrite)
     cfg = PrepareConfig(
         tokenizer=args.tokenizer, bpe_vocab_size=args.vocab_size, val_fraction=args.val_fraction
     )

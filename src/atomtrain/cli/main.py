@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     # hivemind logs expected events (a round without a group, a peer gone) as errors with
     # tracebacks; the peer runtime reports them in one line each.
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "CRITICAL")
+    from atomtrain.peer.hygiene import install
+
+    install()  # before any child process: every helper this process forks dies with it
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(
@@ -60,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args, extra) or 0)
     except AtomError as e:
         print(f"atomtrain: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:  # not about a file the user named: a bug, keep the traceback
+            raise
+        # a file the system refused (permissions, a full disk): the user can fix it
+        print(f"atomtrain: error: {e.filename}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("atomtrain: interrupted", file=sys.stderr)

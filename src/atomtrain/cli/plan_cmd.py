@@ -41,7 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("profile", help="measure a model's per-block costs on this device")
     q.add_argument("--model", default="small", help="a model preset")
     q.add_argument("--rows", type=int, default=16, help="sequences per micro-batch")
-    q.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    q.add_argument(
+        "--seq-len", type=int, help="tokens per sequence (default: the context, at most 128)"
+    )
     q.add_argument("--device", default="auto", help="auto, cpu or cuda")
     q.add_argument("--dtype", default="float32", help="device dtype of parameters")
     q.add_argument("--json", action="store_true")
@@ -64,12 +66,19 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
     )
     from atomtrain.planner.partition import fmt_bytes, parse_bytes, plan_dp, predict
     from atomtrain.planner.profile import DeviceSpec, analytic_profile
+    from atomtrain.values import check_number, parse_size
 
     cfg = GPTConfig.from_name(args.model)
-    budget = parse_bytes(args.device_memory)
+    budget = parse_size(args.device_memory, "--device-memory")
     seq = args.seq_len or cfg.block_size
-    if min(args.rows, seq, args.micro_batches, args.dtype_bytes) <= 0:
-        raise AtomError("--rows, --seq-len, --micro-batches and --dtype-bytes must be positive")
+    if min(args.rows, seq, args.micro_batches, args.dtype_bytes, args.max_blocks) <= 0:
+        raise AtomError(
+            "--rows, --seq-len, --micro-batches, --dtype-bytes and --max-blocks must be positive"
+        )
+    if seq > cfg.block_size:
+        raise AtomError(f"--seq-len {seq} exceeds the model's context {cfg.block_size}")
+    check_number(args.tflops, "--tflops", 0.0, lo_open=True)
+    check_number(args.h2d_gbps, "--h2d-gbps", 0.0, lo_open=True)
     with torch.device("meta"):
         model = GPT(cfg)  # sized, never allocated
     t0 = time.perf_counter()
@@ -169,6 +178,7 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
 
 
 def run_profile(args: argparse.Namespace, _extra: list[str]) -> int:
+    from atomtrain.checks import DEFAULT_SEQ_LEN_CAP
     from atomtrain.cli.table import render_table
     from atomtrain.engine.factory import DTYPES
     from atomtrain.errors import AtomError
@@ -181,11 +191,14 @@ def run_profile(args: argparse.Namespace, _extra: list[str]) -> int:
         raise AtomError(f"--dtype must be one of {', '.join(DTYPES)}")
     device = resolve_device(args.device)
     cfg = GPTConfig.from_name(args.model)
-    if args.seq_len > cfg.block_size:
-        raise AtomError(f"--seq-len {args.seq_len} exceeds the model's context {cfg.block_size}")
+    seq = min(cfg.block_size, DEFAULT_SEQ_LEN_CAP) if args.seq_len is None else args.seq_len
+    if args.rows <= 0 or seq <= 0:
+        raise AtomError("--rows and --seq-len must be positive")
+    if seq > cfg.block_size:
+        raise AtomError(f"--seq-len {seq} exceeds the model's context {cfg.block_size}")
     model = GPT(cfg)
     prof = cached_profile(
-        model, args.rows, args.seq_len, device, DTYPES[args.dtype], cache_dir() / "profiles"
+        model, args.rows, seq, device, DTYPES[args.dtype], cache_dir() / "profiles"
     )
     if args.json:
         print(prof.to_json())

@@ -47,11 +47,15 @@ def sample_text(
 def run(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.errors import AtomError
     from atomtrain.train.loading import load_trained
+    from atomtrain.values import check_number, check_seed
 
     if args.tokens <= 0:
         raise AtomError("--tokens must be positive")
+    check_number(args.temperature, "--temperature", 0.0)
+    if args.top_k is not None and args.top_k < 0:
+        raise AtomError(f"--top-k must be 0 (no limit) or positive, got {args.top_k}")
+    check_seed(args.seed, "--seed")
     model, tok, _ = load_trained(args.path)
-    print(
-        sample_text(model, tok, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
-    )
+    top_k = args.top_k or None
+    print(sample_text(model, tok, args.prompt, args.tokens, args.temperature, top_k, args.seed))
     return 0

@@ -22,7 +22,9 @@ def run(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.sched.serve import InferenceService, start_server
     from atomtrain.train.loading import load_trained
     from atomtrain.train.session import resolve_device
+    from atomtrain.values import check_port
 
+    check_port(args.port, "--port")
     model, tok, ckpt = load_trained(args.path)
     model.to(resolve_device(args.device))
     try:

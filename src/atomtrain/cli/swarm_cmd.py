@@ -44,9 +44,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_keygen(args: argparse.Namespace, _extra: list[str]) -> int:
+    from atomtrain.errors import AtomError
     from atomtrain.peer.auth import write_new_key
 
-    key = write_new_key(args.file, force=args.force)
+    for parent in args.file.parents:
+        if parent.exists() and not parent.is_dir():
+            raise AtomError(f"cannot write {args.file}: {parent} is a file, not a directory")
+    if args.file.is_dir():
+        raise AtomError(f"{args.file} is a directory; name a file for the key")
+    try:
+        key = write_new_key(args.file, force=args.force)
+    except OSError as e:
+        raise AtomError(f"cannot write {args.file} ({e.strerror or e})") from None
     print(f"wrote swarm key {key.fingerprint()} to {args.file}")
     return 0
 
@@ -99,12 +108,6 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.peers < 1:
         raise AtomError("--peers must be at least 1")
     out = Path(args.out_dir)
-    for i in range(args.peers):
-        run_dir = out / f"{args.name}-peer{i}"
-        if run_dir.exists():
-            if not args.overwrite:
-                raise AtomError(f"run directory {run_dir} already exists; pass --overwrite")
-            shutil.rmtree(run_dir)
     extra = [*overrides]
     if args.config:
         extra.append(f"--config={args.config}")
@@ -116,6 +119,13 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
         load_swarm_key(args.swarm_key)  # a bad key fails here, once, not in every peer
         extra.append(f"--peer.swarm_key={Path(args.swarm_key).resolve()}")
     swarm = Swarm(args.name, out, args.name, extra, wait_for=args.peers, expected=args.peers)
+    _check_peer_config(swarm, args.peers)
+    for i in range(args.peers):  # only now, with every setting accepted, is anything replaced
+        run_dir = out / f"{args.name}-peer{i}"
+        if run_dir.exists():
+            if not args.overwrite:
+                raise AtomError(f"run directory {run_dir} already exists; pass --overwrite")
+            shutil.rmtree(run_dir)
     first = swarm.launch(0, args.peers, None)
     try:
         addr = swarm.wait_addr(first)
@@ -131,6 +141,17 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
         if swarm.running():
             swarm.stop()
     return _summary(swarm, args)
+
+
+def _check_peer_config(swarm, n: int) -> None:
+    """Every peer's settings, checked here once, before any run directory is replaced."""
+    from atomtrain.cli.main import build_parser
+    from atomtrain.cli.train_cmd import resolve_config
+
+    argv = swarm.peer_args(n - 1, n, "/ip4/127.0.0.1/tcp/1/p2p/x")
+    start = argv.index("train")
+    args, overrides = build_parser().parse_known_args(argv[start:])
+    resolve_config(args, overrides)
 
 
 def _watch(swarm, addr: str, key_file: str | None) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from atomtrain.config import RunConfig, load_run_config
 from atomtrain.errors import AtomError
+from atomtrain.values import check_port
 
 if TYPE_CHECKING:
     from atomtrain.train.session import Session
@@ -76,6 +77,8 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
         overrides = [*overrides, f"--peer.swarm_key={args.swarm_key}"]
     if args.device_memory:
         overrides = [*overrides, f"--engine.device_memory={args.device_memory}"]
+    if args.serve is not None:
+        check_port(args.serve, "--serve")
     base = None
     if args.resume is not None:
         if not args.resume.exists():

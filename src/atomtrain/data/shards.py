@@ -89,12 +89,27 @@ def _write_shards(arrays: list[np.ndarray], out: Path, split: str, cfg: PrepareC
     return entries
 
 
+def check_prepare_target(out: Path, overwrite: bool) -> None:
+    """AtomError unless OUT can receive prepared data without changing anything else there."""
+    for parent in (out, *out.parents):
+        if parent.exists() and not parent.is_dir():
+            raise AtomError(f"cannot prepare data into {out}: {parent} is a file, not a directory")
+    if (out / MANIFEST).exists():
+        if not overwrite:
+            raise AtomError(f"{out} already holds prepared data; pass --overwrite to replace it")
+    elif out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise AtomError(f"{out} is a directory with other files in it; name a new or empty one")
+
+
 def prepare(src: str, out: Path, cfg: PrepareConfig, overwrite: bool = False) -> dict:
     """Tokenize SRC into shards under OUT and return the manifest written there."""
     if not 0.0 < cfg.val_fraction < 0.5:
         raise AtomError(f"data.val_fraction must be in (0, 0.5), got {cfg.val_fraction}")
-    if (out / MANIFEST).exists() and not overwrite:
-        raise AtomError(f"{out} already holds prepared data; pass --overwrite to replace it")
+    if cfg.tokenizer == "bpe" and not 256 <= cfg.bpe_vocab_size <= 1 << 20:
+        raise AtomError(
+            f"the BPE vocabulary size must be in 256-{1 << 20}, got {cfg.bpe_vocab_size}"
+        )
+    check_prepare_target(out, overwrite)
     files = resolve_sources(src)
     out.mkdir(parents=True, exist_ok=True)
     tok = _make_tokenizer(cfg, files)

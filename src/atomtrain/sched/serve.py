@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from torch import nn
@@ -27,11 +28,15 @@ from torch import nn
 from atomtrain.data.tokenizer import Tokenizer
 from atomtrain.models.gpt import sample_next
 from atomtrain.sched.scheduler import DeviceScheduler
+from atomtrain.values import MAX_SEED
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS_LIMIT = 1024
 MAX_BODY_BYTES = 1 << 20
+READ_TIMEOUT_S = 30.0
+"""A client that declares a body and does not send it is answered 408 after this long."""
+ROUTES = {"/health": "GET", "/v1/completions": "POST"}
 
 
 class BadRequest(Exception):
@@ -46,9 +51,15 @@ def parse_request(body: bytes) -> dict[str, Any]:
         raise BadRequest("body is not valid JSON") from None
     if not isinstance(req, dict):
         raise BadRequest("body must be a JSON object")
-    prompt = req.get("prompt", "")
+    if "prompt" not in req:
+        raise BadRequest("prompt is missing")
+    prompt = req["prompt"]
     if not isinstance(prompt, str):
         raise BadRequest("prompt must be a string")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # JSON allows lone surrogates ("\ud800"); text cannot hold them
+        raise BadRequest("prompt is not valid Unicode text (a lone surrogate)") from None
     out: dict[str, Any] = {"prompt": prompt}
     checks = {
         "max_tokens": (int, 16, 1, MAX_TOKENS_LIMIT),
@@ -57,13 +68,15 @@ def parse_request(body: bytes) -> dict[str, Any]:
     }
     for name, (kind, default, lo, hi) in checks.items():
         value = req.get(name, default)
+        # an int is compared as it is: float() of a huge one overflows
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
-            or (kind is int and not float(value).is_integer())
+            or (kind is int and not whole)
         ):
             raise BadRequest(f"{name} must be a {'integer' if kind is int else 'number'}")
-        if not lo <= value <= hi:
+        if not lo <= value <= hi:  # also refuses NaN
             raise BadRequest(f"{name} must be between {lo} and {hi}")
         out[name] = kind(value)
     stream = req.get("stream", False)
@@ -76,6 +89,8 @@ def parse_request(body: bytes) -> dict[str, Any]:
     seed = req.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise BadRequest("seed must be an integer")
+    if not 0 <= seed <= MAX_SEED:
+        raise BadRequest(f"seed must be between 0 and {MAX_SEED}")
     out["seed"] = seed
     return out
 
@@ -157,6 +172,10 @@ class InferenceService:
 def make_handler(service: InferenceService) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # a request line too malformed to name its version is answered with a status line and
+        # headers (HTTP/0.9 would send the JSON body bare)
+        default_request_version = "HTTP/1.0"
+        timeout = READ_TIMEOUT_S  # of each socket read, so a stalled client cannot hold a thread
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s " + fmt, self.address_string(), *args)
@@ -169,33 +188,103 @@ def make_handler(service: InferenceService) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def _error(self, status: HTTPStatus, message: str) -> None:
-            self._json(status, {"error": {"message": message, "type": "invalid_request_error"}})
+        def _error(self, status: HTTPStatus, message: str, **headers: str) -> None:
+            """One JSON error; the connection closes, as a body may be left unread."""
+            body = json.dumps(
+                {"error": {"message": message, "type": "invalid_request_error"}}
+            ).encode()
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+            self.close_connection = True
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None):
+            """http.server's own errors (a malformed request line, headers, an unknown method)
+            as JSON, like every other error."""
+            if code == HTTPStatus.NOT_IMPLEMENTED:  # a method no route has
+                code, message = HTTPStatus.METHOD_NOT_ALLOWED, f"method {self.command} not allowed"
+            status = HTTPStatus(code)
+            self._error(status, message or status.phrase)
+
+        def _route(self) -> str | None:
+            """The route of this request when the method is the route's; else answers an error."""
+            path = urlsplit(self.path).path
+            allowed = ROUTES.get(path)
+            if allowed is None:
+                self._error(HTTPStatus.NOT_FOUND, f"no route {path}")
+                return None
+            if self.command != allowed:
+                self._error(
+                    HTTPStatus.METHOD_NOT_ALLOWED,
+                    f"{path} accepts {allowed}, not {self.command}",
+                    Allow=allowed,
+                )
+                return None
+            return path
+
+        def _other_method(self) -> None:
+            self._route()  # 404 or 405
+
+        do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _other_method
 
         def do_GET(self) -> None:
-            if self.path == "/health":
+            if self._route():
                 self._json(200, {"status": "ok", "parameters_version": service.version})
-            else:
-                self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
 
-        def do_POST(self) -> None:
-            if self.path != "/v1/completions":
-                self._error(HTTPStatus.NOT_FOUND, f"no route {self.path}")
-                return
+        def _read_body(self) -> bytes | None:
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                self._error(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length")
+                return None
+            text = self.headers.get("Content-Length")
+            if text is None:
+                self._error(HTTPStatus.LENGTH_REQUIRED, "Content-Length is missing")
+                return None
             try:
-                length = int(self.headers.get("Content-Length", "0"))
+                length = int(text)
             except ValueError:
                 length = -1
-            if not 0 <= length <= MAX_BODY_BYTES:
-                self._error(HTTPStatus.BAD_REQUEST, "Content-Length missing or too large")
+            if length < 0:
+                self._error(HTTPStatus.BAD_REQUEST, f"Content-Length {text!r} is not a size")
+                return None
+            if length > MAX_BODY_BYTES:
+                self._error(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body over {MAX_BODY_BYTES} bytes"
+                )
+                return None
+            try:
+                body = self.rfile.read(length)
+            except TimeoutError:
+                body = b""
+            if len(body) < length:
+                self._error(HTTPStatus.REQUEST_TIMEOUT, "body shorter than its Content-Length")
+                return None
+            return body
+
+        def do_POST(self) -> None:
+            if not self._route():
+                return
+            body = self._read_body()
+            if body is None:
                 return
             try:
-                req = parse_request(self.rfile.read(length))
+                req = parse_request(body)
             except BadRequest as e:
                 self._error(HTTPStatus.BAD_REQUEST, str(e))
                 return
             if not req["stream"]:
-                self._json(200, service.complete(req))
+                try:
+                    answer = service.complete(req)
+                except Exception:  # a bug: logged with its traceback, answered in JSON
+                    log.exception("completion failed")
+                    self._error(HTTPStatus.INTERNAL_SERVER_ERROR, "generation failed")
+                    return
+                self._json(200, answer)
                 return
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")

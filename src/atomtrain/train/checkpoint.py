@@ -80,15 +80,39 @@ def save_checkpoint(
         with open(tmp / f, "rb") as fh:
             os.fsync(fh.fileno())
     if directory.exists():
-        shutil.rmtree(directory)
+        _remove(directory)
     os.replace(tmp, directory)
+    _fsync_dir(directory.parent)
     return directory
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (a power cut must not undo it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(ckpt: Path) -> None:
+    """Delete a checkpoint so that a kill at any moment leaves it whole or gone from view.
+
+    It is first renamed to a hidden name (atomic), and only then deleted file by file; hidden
+    leftovers of an interrupted delete are removed by the next prune.
+    """
+    aside = ckpt.parent / f".{ckpt.name}.deleting"
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(ckpt, aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def verify_checkpoint(path: Path) -> None:
     """Raise AtomError unless every file is present, complete and matches its checksum."""
     if not path.is_dir():
         raise AtomError(f"checkpoint {path} does not exist")
+    if not (path / "manifest.json").is_file():
+        raise AtomError(f"checkpoint {path} is incomplete: manifest.json is missing")
     try:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -149,4 +173,6 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
     ckdir = run_dir / "checkpoints"
     found = sorted(p for p in ckdir.glob("step_*") if p.is_dir())
     for old in found[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+    for left in ckdir.glob(".step_*.deleting"):  # a delete a kill interrupted
+        shutil.rmtree(left, ignore_errors=True)

@@ -45,7 +45,7 @@ def load_trained(path: Path) -> tuple[nn.Module, Tokenizer, Path]:
         raise AtomError(f"checkpoint {ckpt_path} does not describe its model shape")
     try:
         spec = json.loads((run_dir / "tokenizer.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
         raise AtomError(f"{run_dir}/tokenizer.json is missing or unreadable") from e
     model = _empty_model(ckpt.state["model"], ckpt_path)
     params = dict(model.named_parameters())

@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from atomtrain.errors import AtomError
+from atomtrain.values import atomic_write_text
+
 
 class MetricsLog:
     def __init__(self, path: Path) -> None:
@@ -17,21 +20,39 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past `step`, so a resumed run does not log steps twice."""
+        """Drop records past `step`, so a resumed run does not log steps twice.
+
+        A torn last line (the process was killed mid-write) is dropped; the file is replaced in
+        one step, so a kill during the rewrite loses nothing.
+        """
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl; a torn last line (a kill mid-write) is left out."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise AtomError(f"{path} is unreadable ({type(e).__name__})") from None
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+            if i == len(lines) - 1:
+                break  # torn by a kill during the last write
+            raise AtomError(f"{path} line {i + 1} is not a metrics record")
+        records.append(record)
+    return records
 
 
 def plot_losses(metrics_path: Path, out: Path, title: str = "") -> Path:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from atomtrain.checks import resolve_and_validate
 from atomtrain.config import DataSection, ModelSection, RunConfig
 from atomtrain.data import (
     LoaderConfig,
@@ -29,6 +30,9 @@ from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW
 from atomtrain.train.checkpoint import (
+    FILES as CHECKPOINT_FILES,
+)
+from atomtrain.train.checkpoint import (
     Checkpoint,
     check_matches,
     latest_checkpoint,
@@ -37,6 +41,7 @@ from atomtrain.train.checkpoint import (
 from atomtrain.train.metrics import MetricsLog
 from atomtrain.train.runner import PlainRunner, StepRunner
 from atomtrain.train.trainer import Trainer, TrainState
+from atomtrain.values import atomic_write_text
 
 if TYPE_CHECKING:
     from atomtrain.data.reuse import EchoingLoader
@@ -203,24 +208,46 @@ def model_label(cfg: ModelSection) -> str:
     return "hf" if cfg.hf_config else cfg.preset
 
 
-def new_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
+def planned_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
+    """Where a new run goes; AtomError, before anything is touched, when it cannot go there."""
     name = cfg.run.name or f"{model_label(cfg.model)}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(cfg.run.out_dir) / name
-    if run_dir.exists():
+    n = 1
+    while not cfg.run.name and (run_dir.exists() or run_dir.is_symlink()):
+        n += 1  # two unnamed runs started in the same second
+        run_dir = Path(cfg.run.out_dir) / f"{name}-{n}"
+    if run_dir.exists() or run_dir.is_symlink():
         if not overwrite:
             raise AtomError(
                 f"run directory {run_dir} already exists; pass --overwrite to replace "
                 f"it or --resume {run_dir} to continue it"
             )
-        shutil.rmtree(run_dir)
+        if not run_dir.is_dir() or run_dir.is_symlink():
+            raise AtomError(f"{run_dir} is not a run directory; --overwrite replaces only those")
+    return run_dir
+
+
+def new_run_dir(cfg: RunConfig, overwrite: bool) -> Path:
+    """Create the run directory, replacing an existing one only with `overwrite`.
+
+    The old directory is first renamed aside, so a crash in between never leaves a half-deleted
+    run under the real name.
+    """
+    run_dir = planned_run_dir(cfg, overwrite)
+    if run_dir.exists():
+        aside = run_dir.with_name(f".{run_dir.name}.replaced-{os.getpid()}")
+        os.replace(run_dir, aside)
+        shutil.rmtree(aside, ignore_errors=True)
     run_dir.mkdir(parents=True)
     return run_dir
 
 
 def resolve_resume(path: Path) -> tuple[Path, Path]:
     """(run directory, checkpoint) from either a run directory or a checkpoint directory."""
-    if (path / "manifest.json").exists():
-        return path.parent.parent, path
+    if not path.is_dir():
+        raise AtomError(f"--resume {path} is not a run or checkpoint directory")
+    if (path / "manifest.json").exists() or any((path / f).exists() for f in CHECKPOINT_FILES):
+        return path.parent.parent, path  # a checkpoint; load_checkpoint names any missing file
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise AtomError(f"{path} holds no checkpoint to resume from")
@@ -228,10 +255,16 @@ def resolve_resume(path: Path) -> tuple[Path, Path]:
 
 
 def saved_config(run_dir: Path) -> dict:
+    where = run_dir / "config.json"
     try:
-        return json.loads((run_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise AtomError(f"{run_dir}/config.json is missing or unreadable") from e
+        saved = json.loads(where.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AtomError(f"{where} is missing") from None
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or bad UTF-8
+        raise AtomError(f"{where} is unreadable ({type(e).__name__})") from None
+    if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+        raise AtomError(f"{where} is not a config: it must be an object of sections")
+    return saved
 
 
 def open_session(
@@ -240,29 +273,29 @@ def open_session(
     overwrite: bool = False,
     runner_factory: RunnerFactory = plain_runner,
 ) -> Session:
-    """Everything a run needs, ready for `session.trainer.fit()`."""
+    """Everything a run needs, ready for `session.trainer.fit()`.
+
+    Everything that can be refused is checked before the run directory is created, replaced or
+    written to, so a refused command leaves what existed as it was.
+    """
+    cfg = resolve_and_validate(cfg)
     device = resolve_device(cfg.run.device)
     hf = hf_model(cfg.model, cfg.train.seed)  # a bad model directory fails before data work
     shards = prepared_data(cfg.data, cfg.model)
     model, described = model_from_section(
         cfg.model, shards.vocab_size, cfg.data.seq_len, cfg.train.seed, hf
     )
-    if cfg.data.input not in ("shards", "stream"):
-        raise AtomError(f"data.input must be shards or stream, got {cfg.data.input!r}")
-    if cfg.data.rows % cfg.train.micro_batch_rows:
-        raise AtomError(
-            f"data.rows ({cfg.data.rows}) must be a multiple of "
-            f"train.micro_batch_rows ({cfg.train.micro_batch_rows})"
-        )
     ckpt = None
     if resume is not None:
         run_dir, ckpt_path = resolve_resume(resume)
         ckpt = load_checkpoint(ckpt_path)  # verified before anything is touched
     else:
-        run_dir = new_run_dir(cfg, overwrite)
+        run_dir = planned_run_dir(cfg, overwrite)
     params = dict(model.named_parameters())
     opt = AdamW({n: p for n, p in params.items() if p.requires_grad}, cfg.optim)
-    index, num_peers = data_slice(cfg, run_dir)
+    token = read_peer_token(run_dir) if ckpt is not None else None
+    token = token or os.urandom(8).hex()
+    index, num_peers = data_slice(cfg, token)
     loader_cfg = LoaderConfig(
         rows=cfg.data.rows,
         seq_len=cfg.data.seq_len,
@@ -291,14 +324,24 @@ def open_session(
             tokens=int(ckpt.state["tokens"]),
             schedule_offset=int(ckpt.state.get("schedule_offset", 0)),
         )
-        MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    (run_dir / "tokenizer.json").write_text(json.dumps(shards.manifest["tokenizer"]))
     if cfg.engine.device_memory and runner_factory is plain_runner:
         from atomtrain.engine.factory import swap_runner
 
         runner_factory = swap_runner
-    runner = runner_factory(model, opt, cfg, device)
+    try:
+        runner = runner_factory(model, opt, cfg, device)
+    except BaseException:
+        loader.close()
+        raise
+    # Nothing was refused: only now is the run directory made, replaced or written to.
+    if ckpt is None:
+        run_dir = new_run_dir(cfg, overwrite)
+    else:
+        MetricsLog(run_dir / "metrics.jsonl").truncate_after(state.step)
+    if cfg.peer.swarm:
+        atomic_write_text(run_dir / "peer_token", token)
+    atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=1))
+    atomic_write_text(run_dir / "tokenizer.json", json.dumps(shards.manifest["tokenizer"]))
     trainer = Trainer(
         runner=runner,
         loader=loader,
@@ -314,29 +357,24 @@ def open_session(
     return session
 
 
-def peer_token(run_dir: Path) -> str:
-    """A random identity of this run's peer, kept in the run directory (a resumed peer keeps
+def read_peer_token(run_dir: Path) -> str | None:
+    """The random identity of a run's peer, kept in its run directory (a resumed peer keeps
     it): it names the peer and seeds its batches when no index is given."""
-    path = run_dir / "peer_token"
     try:
-        token = path.read_text().strip()
+        token = (run_dir / "peer_token").read_text().strip()
         int(token, 16)
         return token
     except (OSError, ValueError):
-        token = os.urandom(8).hex()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(token)
-        tmp.replace(path)
-        return token
+        return None
 
 
-def data_slice(cfg: RunConfig, run_dir: Path) -> tuple[int, int]:
+def data_slice(cfg: RunConfig, token: str) -> tuple[int, int]:
     """(index, slices) of this run's batches. A swarm peer without an index draws windows over
     the whole split from a seed of its own (its token): peers started alike read different
     batches, however many there are."""
     if not cfg.peer.swarm or cfg.peer.index >= 0:
         return max(cfg.peer.index, 0), cfg.peer.num_peers if cfg.peer.index >= 0 else 1
-    return 1 + int(peer_token(run_dir), 16) % (2**62), 0
+    return 1 + int(token, 16) % (2**62), 0
 
 
 def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
@@ -349,7 +387,7 @@ def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
     elif cfg.peer.index >= 0:
         name = f"peer{cfg.peer.index}"
     else:
-        name = f"peer-{peer_token(session.run_dir)[:6]}"
+        name = f"peer-{(read_peer_token(session.run_dir) or 'unknown')[:6]}"
     peer = PeerRuntime(
         cfg.peer, session.trainer.runner, name, cfg.train.steps, session.run_dir, cfg.train.lr
     )
