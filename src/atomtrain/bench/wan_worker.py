@@ -88,7 +88,7 @@ def single(model: GPT, sampler: WindowSampler, val: Batches, run: Run, log: Log)
         _, loss = model(x, y)
         loss.backward()
         optimizer_step(opt, params, step, run)
-        log.write(step=step, loss=float(loss), busy_s=time.perf_counter() - t0)
+        log.write(step=step, loss=loss.item(), busy_s=time.perf_counter() - t0)
         step += 1
         if step % run.eval_every == 0:
             t0 = time.perf_counter()
@@ -133,7 +133,7 @@ def ddp(
                 pos += g.numel()
         optimizer_step(opt, params, step, run)
         busy += time.perf_counter() - t1
-        log.write(step=step, loss=float(loss), busy_s=busy)
+        log.write(step=step, loss=loss.item(), busy_s=busy)
         step += 1
         if flat[-1] > 0:
             return
@@ -245,7 +245,7 @@ def pipeline(
         t0 = time.perf_counter()
         optimizer_step(opt, params, step, run)
         busy = pipe.busy_s + time.perf_counter() - t0  # waiting for neighbours excluded
-        loss_value = sum(float(out) for _, out in saved) / micro if stage.last else float("nan")
+        loss_value = sum(out.item() for _, out in saved) / micro if stage.last else float("nan")
         log.write(step=step, loss=loss_value, busy_s=busy)
         step += 1
         if step % run.eval_every == 0:
