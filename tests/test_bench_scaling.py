@@ -33,6 +33,7 @@ def finished_run(tmp_path: Path, logs: list[list[dict]], launch: float) -> Syste
 def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):
     peer = lambda t_hit, rounds: [  # noqa: E731
         {"step": 50, "loss": 3.0, "step_s": 0.5, "elapsed_s": 1.0, "round": rounds, "time": 101},
+        {"step": 51, "round": rounds, "round_s": 2.0 * rounds, "averaging_memory_ratio": 2.5},
         {"step": 100, "val_loss": 2.5, "time": 100 + t_hit},
         {"step": 150, "val_loss": 1.9, "time": 100 + t_hit + 5},
     ]
@@ -43,6 +44,8 @@ def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):
     assert seed["rounds"] == [4, 5]
     assert seed["bytes_sent_per_round"] == (1000 / 4 + 2000 / 5) / 2
     assert seed["device_busy_fraction"] == 0.5
+    assert seed["round_s"] == 9.0  # median of 8 and 10
+    assert seed["averaging_memory_ratio"] == 2.5
     missing = finished_run(tmp_path, [peer(10, 1), peer(10, 1)[:2]], launch=100.0)
     assert swarm_seed(missing, target=2.0)["time_s"] is None
 

@@ -48,6 +48,7 @@ def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
         if r.get("averaging_memory_ratio") is not None
     ]
     busy = [b for log in logs if (b := busy_fraction(log)) is not None]
+    round_s = [r["round_s"] for log in logs for r in log if r.get("round_s") is not None]
     reach = [
         next((r["step"] for r in log if r.get("val_loss", math.inf) <= target), None)
         for log in logs
@@ -58,6 +59,7 @@ def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
         "stopped_by": run.stopped_by,
         "rounds": rounds,
         "sync_every": [last_value(log, "sync_every") for log in logs],
+        "round_s": statistics.median(round_s) if round_s else None,
         "bytes_sent_per_round": statistics.mean(per_round) if per_round else None,
         "averaging_memory_ratio": max(memory) if memory else None,
         "device_busy_fraction": statistics.mean(busy) if busy else None,
