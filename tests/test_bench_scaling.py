@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from atomtrain.bench.cgroup import CPU_ROOT
 from atomtrain.bench.scaling_launch import Proc, SystemRun, Tail
 from atomtrain.bench.scaling_report import baseline_seed, spread, swarm_seed
 from atomtrain.config import PeerSection
+from atomtrain.train.metrics import MetricsLog, read_metrics
 
 
 def finished_run(tmp_path: Path, logs: list[list[dict]], launch: float) -> SystemRun:
@@ -28,6 +30,18 @@ def finished_run(tmp_path: Path, logs: list[list[dict]], launch: float) -> Syste
         run.procs.append(Proc(f"p{i}", done, Tail(path), tmp_path / f"m{i}.log"))
     run.bytes_after = [(1000 * (i + 1), 0) for i in range(len(logs))]
     return run
+
+
+def test_metrics_records_carry_unix_time_so_the_bench_can_time_from_launch(tmp_path: Path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    before = time.time()
+    log.write({"step": 1, "loss": 2.0})
+    after = time.time()
+    log.write({"step": 2, "time": 5.0})  # a record's own time is kept
+    first, second = read_metrics(tmp_path / "metrics.jsonl")
+    assert before <= first["time"] <= after
+    assert first["step"] == 1 and first["loss"] == 2.0
+    assert second["time"] == 5.0
 
 
 def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):
