@@ -62,6 +62,9 @@ def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):
     assert seed["averaging_memory_ratio"] == 2.5
     missing = finished_run(tmp_path, [peer(10, 1), peer(10, 1)[:2]], launch=100.0)
     assert swarm_seed(missing, target=2.0)["time_s"] is None
+    late = finished_run(tmp_path, [peer(10, 4), peer(20, 5)], launch=100.0)
+    late.stopped_by, late.stopped_at = "budget", 124.0  # the second peer got there at 125
+    assert swarm_seed(late, target=2.0)["time_s"] is None
 
 
 def test_a_baseline_that_misses_the_target_gets_a_lower_bound(tmp_path: Path):

@@ -33,7 +33,11 @@ def last_value(records: Records, key: str) -> Any:
 def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
     """One seed of `single` or of a swarm: reached when every process has."""
     logs = run.records()
-    times = [reached_at(r, target) for r in logs]
+    # a validation written while the processes shut down, after the budget, does not count
+    end = run.stopped_at if run.stopped_by == "budget" else math.inf
+    times = [
+        t if t is not None and t <= end else None for t in (reached_at(r, target) for r in logs)
+    ]
     done = bool(logs) and all(t is not None for t in times)
     rounds = [max((r.get("round", 0) for r in log), default=0) for log in logs]
     sent = [
