@@ -84,3 +84,43 @@ def test_bench_wan_without_root_says_so_in_one_line(tmp_path):
     assert proc.stderr.strip() == (
         "atomtrain: error: the slow-network lab needs root (network namespaces and tc)"
     )
+
+
+RING_SERVER = """
+import socket
+s = socket.socket(); s.bind(("0.0.0.0", 5556)); s.listen(); c, _ = s.accept(); n = 0
+while True:
+    d = c.recv(65536)
+    if not d: break
+    n += len(d)
+print(n)
+"""
+
+
+def test_four_hosts_reach_each_other_and_their_links_count_bytes():
+    size = 200_000
+    with NetLab(4, bandwidth_mbit=8.0) as lab:
+        before = lab.link_bytes()
+        servers = [
+            lab.popen(i, [sys.executable, "-c", RING_SERVER], stdout=subprocess.PIPE, text=True)
+            for i in range(4)
+        ]
+        senders = []
+        for i in range(4):  # host i sends to host i + 1: every host sends and receives
+            to = lab.address((i + 1) % 4)
+            send = (
+                "import socket, time\n"
+                "for _ in range(200):\n"
+                f"    try: s = socket.create_connection(('{to}', 5556)); break\n"
+                "    except ConnectionRefusedError: time.sleep(0.1)\n"
+                f"s.sendall(b'x' * {size}); s.close()\n"
+            )
+            senders.append(lab.popen(i, [sys.executable, "-c", send]))
+        assert [p.wait(timeout=60) for p in senders] == [0, 0, 0, 0]
+        assert [int(s.communicate(timeout=60)[0]) for s in servers] == [size] * 4
+        after = lab.link_bytes()
+        for (sent0, recv0), (sent1, recv1) in zip(before, after, strict=True):
+            assert size <= sent1 - sent0 < size * 1.2  # payload plus TCP/IP headers
+            assert size <= recv1 - recv0 < size * 1.2
+        assert len(lab.leftovers()) == 9  # 4 namespaces, 4 veths, the bridge
+    assert lab.leftovers() == []

@@ -16,6 +16,7 @@ import random
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 from types import FrameType
 
 from atomtrain.errors import AtomError
@@ -89,11 +90,25 @@ class NetLab:
             _tc("-n", ns, "qdisc", "add", "dev", inner, *shape)
             _tc("qdisc", "add", "dev", outer, *shape)
 
+    def argv(self, i: int, argv: list[str]) -> list[str]:
+        """`argv` as a command that runs inside host i's namespace."""
+        return ["ip", "netns", "exec", self.namespaces[i], *argv]
+
     def popen(self, i: int, argv: list[str], **kwargs: object) -> subprocess.Popen:
         """Start `argv` inside host i's namespace, in its own process group."""
-        return subprocess.Popen(
-            ["ip", "netns", "exec", self.namespaces[i], *argv], start_new_session=True, **kwargs
-        )  # type: ignore[call-overload]
+        return subprocess.Popen(self.argv(i, argv), start_new_session=True, **kwargs)  # type: ignore[call-overload]
+
+    def link_bytes(self) -> list[tuple[int, int]]:
+        """(bytes sent, bytes received) by each host so far, from its veth's counters.
+
+        Read on the bridge side, in this namespace's /proc/net/dev: what the bridge port
+        receives is what the host sent."""
+        counters: dict[str, tuple[int, int]] = {}
+        for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+            name, _, rest = line.partition(":")
+            fields = rest.split()
+            counters[name.strip()] = (int(fields[0]), int(fields[8]))  # rx bytes, tx bytes
+        return [counters.get(outer, (0, 0)) for outer, _ in self.veths]
 
     def close(self) -> None:
         for ns in self.namespaces:

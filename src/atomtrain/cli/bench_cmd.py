@@ -84,6 +84,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--gpu-to-cpu-ratio", type=float, default=1000.0)
     w.set_defaults(func=run_wan)
 
+    s = bsub.add_parser(
+        "scaling",
+        help="1, 2 and 4 peers against one peer, synchronous DiLoCo, DDP and the pipeline",
+    )
+    s.add_argument("--json", action="store_true", help="print only the JSON result")
+    s.add_argument("--quick", action="store_true", help="tiny model, one seed, two peers")
+    s.add_argument("--peers", default="", help="swarm sizes, comma-separated (default 2,4)")
+    s.add_argument("--seeds", type=int, default=0, help="seeds per system (default 3)")
+    s.add_argument("--cpu-per-peer", type=float, default=0.0, help="cores per process")
+    s.add_argument("--bandwidth-mbit", type=float, default=0.0, help="each host's link rate")
+    s.add_argument("--target-loss", type=float, default=0.0, help="validation loss to reach")
+    s.add_argument("--budget-s", type=float, default=0.0, help="budget per system from launch")
+    s.add_argument("--baseline-budget-s", type=float, default=0.0, help="budget of DDP, pipeline")
+    s.add_argument("--sync-every", default="", help="the peers' --peer.sync_every (auto or N)")
+    s.add_argument("--compression", default="", help="the peers' --peer.compression")
+    s.add_argument("--out-dir", default="runs/bench-scaling", help="where the runs go")
+    s.set_defaults(func=run_scaling)
+
 
 def _emit(result: dict, as_json: bool) -> None:
     if as_json:
@@ -193,4 +211,41 @@ def run_wan(args: argparse.Namespace, _extra: list[str]) -> int:
         gpu_to_cpu_ratio=args.gpu_to_cpu_ratio,
     )
     _emit(run_wan_bench(cfg), args.json)
+    return 0
+
+
+def run_scaling(args: argparse.Namespace, _extra: list[str]) -> int:
+    import sys
+    from dataclasses import replace
+    from pathlib import Path
+
+    from atomtrain.bench.cgroup import require_cpu_cgroups
+    from atomtrain.bench.netlab import require_root_and_tools
+    from atomtrain.bench.scaling import QUICK, ScalingBenchConfig, run_scaling_bench
+    from atomtrain.errors import AtomError
+
+    require_cpu_cgroups()
+    require_root_and_tools()
+    cfg = QUICK if args.quick else ScalingBenchConfig()
+    try:
+        peers = tuple(int(n) for n in args.peers.split(",") if n.strip())
+    except ValueError:
+        raise AtomError(f"--peers: comma-separated integers, got {args.peers!r}") from None
+    given = {
+        "peers": peers,
+        "seeds": args.seeds,
+        "cpu_per_peer": args.cpu_per_peer,
+        "bandwidth_mbit": args.bandwidth_mbit,
+        "target_loss": args.target_loss,
+        "budget_s": args.budget_s,
+        "baseline_budget_s": args.baseline_budget_s,
+        "sync_every": args.sync_every,
+        "compression": args.compression,
+    }
+    cfg = replace(cfg, **{k: v for k, v in given.items() if v})
+
+    def progress(line: str) -> None:
+        print(f"[bench scaling] {line}", file=sys.stderr, flush=True)
+
+    _emit(run_scaling_bench(cfg, Path(args.out_dir), progress), args.json)
     return 0

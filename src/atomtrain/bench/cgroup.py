@@ -1,0 +1,124 @@
+"""Equal compute for every process a benchmark compares: one cgroup v1 `cpu` group per process,
+each capped at the same number of cores with a CFS quota.
+
+    with CpuQuotas(cores=0.45) as quotas:
+        argv = quotas.wrap("peer0", ["python", "-m", "..."])   # joins its group, then execs
+        subprocess.Popen(argv)
+
+The wrapper writes its own pid into the group before it execs the command, so interpreter
+start-up and every helper the process forks (hivemind's DHT and averager, p2pd) count against
+that one quota. Every group is removed on exit, on an exception, and on Ctrl-C or SIGTERM (the
+processes still in it are killed first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from atomtrain.errors import AtomError
+
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+
+
+def require_cpu_cgroups(root: Path = CPU_ROOT) -> None:
+    if os.geteuid() != 0:
+        raise AtomError("the scaling bench needs root (cgroup CPU quotas and network namespaces)")
+    if not (root / "cpu.cfs_quota_us").exists() or not os.access(root, os.W_OK):
+        raise AtomError(f"the scaling bench needs cgroup v1 `cpu` mounted read-write at {root}")
+
+
+class CpuQuotas:
+    def __init__(self, cores: float, root: Path = CPU_ROOT) -> None:
+        if cores <= 0:
+            raise AtomError(f"cpu_per_peer must be > 0 cores, got {cores}")
+        self.cores = cores
+        self.root = root
+        self.tag = f"atom{os.getpid()}"
+        self.groups: dict[str, Path] = {}
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> CpuQuotas:
+        require_cpu_cgroups(self.root)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._interrupted)
+        return self
+
+    def _interrupted(self, signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def group(self, name: str) -> Path:
+        """The group `name` (created on first use), capped at `cores` CPUs."""
+        if name in self.groups:
+            return self.groups[name]
+        path = self.root / f"{self.tag}-{name}"
+        path.mkdir()
+        self.groups[name] = path
+        (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (path / "cpu.cfs_quota_us").write_text(str(int(self.cores * PERIOD_US)))
+        return path
+
+    def wrap(self, name: str, argv: list[str]) -> list[str]:
+        """`argv` behind a shell that moves itself into group `name` and then execs it."""
+        procs = shlex.quote(str(self.group(name) / "cgroup.procs"))
+        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
+
+    def pids(self, name: str) -> list[int]:
+        text = (self.groups[name] / "cgroup.procs").read_text()
+        return [int(p) for p in text.split()]
+
+    def throttled_s(self, name: str) -> float:
+        """Seconds the group's processes were held back by the quota so far."""
+        for line in (self.groups[name] / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "throttled_time":
+                return int(value) / 1e9
+        return 0.0
+
+    def release(self, name: str) -> None:
+        """Kill whatever still runs in group `name` and remove the group."""
+        path = self.groups.pop(name, None)
+        if path is None:
+            return
+        self._empty(path)
+        with contextlib.suppress(FileNotFoundError):
+            # a group whose last process is still exiting refuses rmdir for a moment
+            for _ in range(100):
+                try:
+                    path.rmdir()
+                    return
+                except OSError:
+                    time.sleep(0.05)
+
+    def close(self) -> None:
+        for name in list(self.groups):
+            self.release(name)
+
+    @staticmethod
+    def _empty(path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            for _ in range(100):
+                pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
+                if not pids:
+                    return
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.close()
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def leftovers(self) -> list[str]:
+        """Groups this object created that still exist (empty after exit)."""
+        return sorted(p.name for p in self.root.glob(f"{self.tag}-*"))

@@ -1,0 +1,244 @@
+"""`atomtrain bench scaling`: do more peers reach a target loss sooner than one?
+
+Systems, each timed from the launch of its first process to the moment it reached a validation
+loss fixed in advance (`target_loss`, the same for every system and seed):
+
+- `single`: one plain `atomtrain train`, no swarm;
+- `atom_N`: N peers of `atomtrain train --peer.swarm=...`, started as the README says (the first
+  alone, the others with `--peer.join` at its address); reached when EVERY peer has validated
+  at or below the target;
+- `sync_diloco`: the largest swarm with blocking rounds (`--peer.sync_mode=blocking`);
+- `ddp` (float16 gradients all-reduced every step) and `pipeline` (N stages, GPipe) over gloo,
+  run once for a short budget: unless they reach the target, they are credited with a lower
+  bound, their start-up plus the single peer's steps to target / N times their seconds per step.
+
+Equal compute: every process (peer, worker, the single baseline) runs in its own cgroup capped
+at `cpu_per_peer` cores, joined before exec so start-up and helpers (hivemind's DHT, p2pd)
+count, and in its own network namespace behind `tc tbf` links of `bandwidth_mbit`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from atomtrain.bench.cgroup import CpuQuotas
+from atomtrain.bench.netlab import NetLab
+from atomtrain.bench.scaling_launch import (
+    Launcher,
+    Progress,
+    SystemRun,
+    python_argv,
+    wait_for_file,
+    watch,
+)
+from atomtrain.bench.scaling_report import report
+from atomtrain.config import DataSection
+from atomtrain.errors import AtomError
+from atomtrain.models import GPTConfig
+from atomtrain.train.session import prepared_data
+
+BASELINE_PORTS = {"ddp": 29500, "pipeline": 29501}
+
+
+@dataclass(frozen=True)
+class ScalingBenchConfig:
+    peers: tuple[int, ...] = (2, 4)
+    """Swarm sizes compared with one peer; the largest also sets DDP's and the pipeline's
+    worker count and synchronous DiLoCo's peer count."""
+    seeds: int = 3
+    """Runs of each swarm and of the single peer, with `--train.seed` and `--data.seed` 0..n-1."""
+    cpu_per_peer: float = 0.45
+    """CPU cores of each process's quota (4 peers fit in 2 cores)."""
+    bandwidth_mbit: float = 10.0
+    """Rate of each host's link, both directions."""
+    gpu_to_cpu_ratio: float = 1000.0
+    """Assumed: about 45 GFLOP/s in a 0.45-core quota against about 45 TFLOP/s of a consumer
+    GPU, so a link of B Mbit/s here is as slow, relative to compute, as B * ratio between GPUs."""
+    target_loss: float = 2.2
+    """Validation loss every system must reach. Chosen from one calibration run of `single`
+    (small model, seed 0, 0.45 cores, quiet machine): it first validated at 2.194 after 158 s
+    from launch, and hovered around 2.16-2.21 by 190 s, so the single peer needs 2-4 minutes."""
+    budget_s: float = 300.0
+    """Wall-clock budget of each system from launch; a system stops as soon as it reaches the
+    target. At a round every few seconds it leaves room for well over 20 rounds."""
+    baseline_budget_s: float = 60.0
+    """Budget of DDP and of the pipeline (about 100x slower: measured briefly, then bounded)."""
+    preset: str = "small"
+    rows: int = 8
+    seq_len: int = 64
+    lr: float = 2e-3
+    eval_interval: int = 50
+    """Steps between validations, for every system (about 7% of a peer's compute)."""
+    eval_batches: int = 16
+    micro_batches: int = 4
+    """Micro-batches of the pipeline (GPipe)."""
+    sync_every: str = "auto"
+    """Passed to every peer as --peer.sync_every."""
+    compression: str = "float16"
+    """Passed to every peer as --peer.compression."""
+
+
+QUICK = ScalingBenchConfig(
+    peers=(2,),
+    seeds=1,
+    target_loss=3.0,
+    budget_s=90.0,
+    baseline_budget_s=15.0,
+    preset="tiny",
+    eval_interval=20,
+)
+"""--quick: the tiny model, one seed, two peers (target: a loss the tiny model passes early)."""
+
+
+def common_train_args(cfg: ScalingBenchConfig, data: Path, seed: int, out: Path) -> list[str]:
+    return [
+        "train",
+        "--quiet",
+        "--no-sample",
+        f"--run.out_dir={out}",
+        f"--data.prepared={data}",
+        f"--data.rows={cfg.rows}",
+        f"--data.seq_len={cfg.seq_len}",
+        f"--data.seed={seed}",
+        f"--train.seed={seed}",
+        f"--train.micro_batch_rows={cfg.rows}",
+        "--train.steps=1000000",
+        f"--train.eval_interval={cfg.eval_interval}",
+        f"--train.eval_batches={cfg.eval_batches}",
+        "--train.warmup_steps=10",
+        f"--train.lr={cfg.lr}",
+        f"--train.min_lr={cfg.lr}",  # a constant rate: no schedule tied to a step count
+        "--train.checkpoint_interval=1000000",
+        f"--model.preset={cfg.preset}",
+    ]
+
+
+def run_single(launcher: Launcher, cfg: ScalingBenchConfig, data: Path, seed: int) -> SystemRun:
+    out = launcher.work / f"seed{seed}" / "single"
+    argv = python_argv("atomtrain.cli.main", *common_train_args(cfg, data, seed, out))
+    run = SystemRun(time.time(), bytes_before=launcher.lab.link_bytes())
+    launcher.start(run, 0, f"s{seed}-single", [*argv, "--run.name=p0"], out / "p0/metrics.jsonl")
+    watch(run, cfg.target_loss, cfg.budget_s)
+    launcher.finish(run)
+    return run
+
+
+def run_swarm(
+    launcher: Launcher, cfg: ScalingBenchConfig, data: Path, seed: int, peers: int, system: str
+) -> SystemRun:
+    out = launcher.work / f"seed{seed}" / system
+    base = python_argv("atomtrain.cli.main", *common_train_args(cfg, data, seed, out))
+    flags = [
+        f"--peer.swarm=s{seed}{system.replace('_', '')}{int(time.time()) % 100000}",
+        f"--peer.sync_every={cfg.sync_every}",
+        f"--peer.compression={cfg.compression}",
+        "--peer.final_sync=false",
+    ]
+    if system == "sync_diloco":
+        flags.append("--peer.sync_mode=blocking")
+    run = SystemRun(time.time(), bytes_before=launcher.lab.link_bytes())
+    join: list[str] = []
+    for i in range(peers):
+        argv = [*base, *flags, f"--peer.host={launcher.lab.address(i)}", f"--run.name=p{i}", *join]
+        launcher.start(run, i, f"s{seed}-{system}-p{i}", argv, out / f"p{i}/metrics.jsonl")
+        if i == 0:
+            if not wait_for_file(out / "p0/peer.json", run.procs, cfg.budget_s):
+                break
+            addr = json.loads((out / "p0/peer.json").read_text())["addrs"][0]
+            join = [f"--peer.join={addr}"]
+    watch(run, cfg.target_loss, cfg.budget_s)
+    launcher.finish(run)
+    return run
+
+
+def baseline_spec(cfg: ScalingBenchConfig, seed: int) -> str:
+    model = GPTConfig.from_name(cfg.preset)
+    return json.dumps(
+        {
+            "model": {
+                k: getattr(model, k)
+                for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+            },
+            "rows": cfg.rows,
+            "seq_len": cfg.seq_len,
+            "micro_batches": cfg.micro_batches,
+            "lr": cfg.lr,
+            "seed": seed,
+            "data_seed": seed,
+            "eval_batches": cfg.eval_batches,
+            "eval_every": cfg.eval_interval,
+            "target_loss": cfg.target_loss,
+        }
+    )
+
+
+def run_baseline(
+    launcher: Launcher, cfg: ScalingBenchConfig, data: Path, system: str, world: int
+) -> SystemRun:
+    out = launcher.work / "seed0" / system
+    out.mkdir(parents=True, exist_ok=True)
+    master = f"{launcher.lab.address(0)}:{BASELINE_PORTS[system]}"
+    spec = baseline_spec(cfg, 0)
+    run = SystemRun(time.time(), bytes_before=launcher.lab.link_bytes())
+    for r in range(world):
+        metrics = out / f"w{r}.jsonl"
+        args = [system, str(r), str(world), master, str(data), str(cfg.baseline_budget_s)]
+        argv = python_argv("atomtrain.bench.wan_worker", *args, str(metrics), spec)
+        # gloo picks its interface from the hostname (loopback here): name the host's veth
+        ifname = launcher.lab.veths[r][1]
+        launcher.start(run, r, f"s0-{system}-w{r}", argv, metrics, GLOO_SOCKET_IFNAME=ifname)
+    # the workers stop themselves at their budget (counted from their start of training)
+    watch(run, cfg.target_loss, cfg.baseline_budget_s + cfg.budget_s)
+    launcher.finish(run, grace_s=60.0)
+    return run
+
+
+def check(cfg: ScalingBenchConfig) -> None:
+    if not cfg.peers or min(cfg.peers) < 2:
+        raise AtomError(f"peers: swarm sizes must be 2 or more, got {cfg.peers}")
+    if cfg.seeds < 1 or cfg.budget_s <= 0 or cfg.baseline_budget_s <= 0:
+        raise AtomError("seeds must be >= 1 and budget_s, baseline_budget_s > 0")
+
+
+def run_scaling_bench(
+    cfg: ScalingBenchConfig, out_dir: Path, progress: Progress = lambda _: None
+) -> dict:
+    check(cfg)
+    shards = prepared_data(DataSection())
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    largest = max(cfg.peers)
+    runs: dict[str, list[SystemRun]] = {}
+    env = {"OMP_NUM_THREADS": "1", "HIVEMIND_LOGLEVEL": "CRITICAL"}
+    with NetLab(largest, cfg.bandwidth_mbit) as lab, CpuQuotas(cfg.cpu_per_peer) as quotas:
+        launcher = Launcher(lab, quotas, out_dir.resolve(), env)
+        for seed in range(cfg.seeds):
+            _record(runs, "single", run_single(launcher, cfg, shards.root, seed), progress, seed)
+            for n in cfg.peers:
+                run = run_swarm(launcher, cfg, shards.root, seed, n, f"atom_{n}")
+                _record(runs, f"atom_{n}", run, progress, seed)
+            run = run_swarm(launcher, cfg, shards.root, seed, largest, "sync_diloco")
+            _record(runs, "sync_diloco", run, progress, seed)
+        for system in ("ddp", "pipeline"):
+            run = run_baseline(launcher, cfg, shards.root, system, largest)
+            _record(runs, system, run, progress, 0)
+    return report(runs, cfg, largest, config=asdict(cfg))
+
+
+def _record(
+    runs: dict[str, list[SystemRun]], system: str, run: SystemRun, progress: Progress, seed: int
+) -> None:
+    runs.setdefault(system, []).append(run)
+    errors = "; ".join(run.errors())
+    progress(
+        f"seed {seed} {system}: stopped by {run.stopped_by} after "
+        f"{run.stopped_at - run.launch_time:.0f} s" + (f" ({errors})" if errors else "")
+    )
+
+
+def quick_config(**overrides: object) -> ScalingBenchConfig:
+    return replace(QUICK, **overrides)  # type: ignore[arg-type]

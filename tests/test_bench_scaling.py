@@ -1,0 +1,147 @@
+"""`atomtrain bench scaling`: its figures from known records, its refusal without root, and the
+quick run end to end (as root only): the JSON's structure and finite values, never speed."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from atomtrain.bench.cgroup import CPU_ROOT
+from atomtrain.bench.scaling_launch import Proc, SystemRun, Tail
+from atomtrain.bench.scaling_report import baseline_seed, spread, swarm_seed
+from atomtrain.config import PeerSection
+from atomtrain.train.metrics import MetricsLog, read_metrics
+
+
+def finished_run(tmp_path: Path, logs: list[list[dict]], launch: float) -> SystemRun:
+    run = SystemRun(launch, bytes_before=[(0, 0)] * len(logs))
+    for i, records in enumerate(logs):
+        path = tmp_path / f"m{i}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        done = subprocess.Popen(["true"])
+        done.wait()
+        run.procs.append(Proc(f"p{i}", done, Tail(path), tmp_path / f"m{i}.log"))
+    run.bytes_after = [(1000 * (i + 1), 0) for i in range(len(logs))]
+    return run
+
+
+def test_metrics_records_carry_unix_time_so_the_bench_can_time_from_launch(tmp_path: Path):
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    before = time.time()
+    log.write({"step": 1, "loss": 2.0})
+    after = time.time()
+    log.write({"step": 2, "time": 5.0})  # a record's own time is kept
+    first, second = read_metrics(tmp_path / "metrics.jsonl")
+    assert before <= first["time"] <= after
+    assert first["step"] == 1 and first["loss"] == 2.0
+    assert second["time"] == 5.0
+
+
+def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):
+    peer = lambda t_hit, rounds: [  # noqa: E731
+        {"step": 50, "loss": 3.0, "step_s": 0.5, "elapsed_s": 1.0, "round": rounds, "time": 101},
+        {"step": 51, "round": rounds, "round_s": 2.0 * rounds, "averaging_memory_ratio": 2.5},
+        {"step": 100, "val_loss": 2.5, "time": 100 + t_hit},
+        {"step": 150, "val_loss": 1.9, "time": 100 + t_hit + 5},
+    ]
+    run = finished_run(tmp_path, [peer(10, 4), peer(20, 5)], launch=100.0)
+    seed = swarm_seed(run, target=2.0)
+    assert seed["time_s"] == 25.0  # the second peer, from launch
+    assert seed["steps_to_target"] == 150
+    assert seed["rounds"] == [4, 5]
+    assert seed["bytes_sent_per_round"] == (1000 / 4 + 2000 / 5) / 2
+    assert seed["device_busy_fraction"] == 0.5
+    assert seed["round_s"] == 9.0  # median of 8 and 10
+    assert seed["averaging_memory_ratio"] == 2.5
+    missing = finished_run(tmp_path, [peer(10, 1), peer(10, 1)[:2]], launch=100.0)
+    assert swarm_seed(missing, target=2.0)["time_s"] is None
+    late = finished_run(tmp_path, [peer(10, 4), peer(20, 5)], launch=100.0)
+    late.stopped_by, late.stopped_at = "budget", 124.0  # the second peer got there at 125
+    assert swarm_seed(late, target=2.0)["time_s"] is None
+
+
+def test_a_baseline_that_misses_the_target_gets_a_lower_bound(tmp_path: Path):
+    worker = [
+        {"step": s, "loss": 5.0, "busy_s": 0.1, "t": 1.0 + 2.0 * s, "time": 110.0 + 2.0 * s}
+        for s in range(10)
+    ]  # training started at 109 (time - t), each step 2 s
+    run = finished_run(tmp_path, [worker, worker], launch=100.0)
+    seed = baseline_seed(run, target=2.0, single_steps=400, world=4)
+    assert seed["time_s"] is None and seed["time_is_lower_bound"]
+    assert seed["startup_s"] == 9.0
+    assert seed["s_per_step"] == 2.0
+    assert seed["lower_bound_s"] == 9.0 + 400 / 4 * 2.0
+
+
+def test_medians_count_a_seed_that_missed_as_slowest():
+    assert spread([10.0, None, 30.0])["median_s"] == 30.0
+    assert spread([10.0, None, None])["median_s"] is None
+    assert spread([10.0, None, None])["reached"] == 1
+
+
+def test_without_root_it_says_so_in_one_line(tmp_path: Path):
+    code = (
+        "import os; os.geteuid = lambda: 1000\n"
+        "import sys; from atomtrain.cli.main import main\n"
+        "sys.exit(main(['bench', 'scaling', '--json']))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip() == (
+        "atomtrain: error: the scaling bench needs root (cgroup CPU quotas and network namespaces)"
+    )
+
+
+def number(value: object) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0
+    or not os.access(CPU_ROOT / "cpu.cfs_quota_us", os.W_OK)
+    or shutil.which("tc") is None,
+    reason="needs root, cgroup v1 `cpu` read-write and iproute2 (tc, ip netns)",
+)
+def test_quick_bench_end_to_end(tmp_path: Path):
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "atomtrain.cli.main", "bench", "scaling", "--quick", "--json",
+            "--sync-every=10", f"--out-dir={tmp_path / 'runs'}",
+        ],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert "[bench scaling] seed 0 single" in proc.stderr
+    assert set(out["systems"]) == {"single", "atom_2", "sync_diloco", "ddp", "pipeline"}
+    for key in ("speedup_2", "speedup_vs_ddp", "speedup_vs_pipeline", "bytes_per_round"):
+        assert number(out[key]) and out[key] > 0, key
+    assert 0 < out["device_busy_fraction"] <= 1.05
+    assert out["averaging_memory_ratio"] is None or number(out["averaging_memory_ratio"])
+    for name in ("single", "atom_2", "ddp", "pipeline"):
+        system = out["systems"][name]
+        assert number(system["median_s"]) and system["median_s"] > 0, name
+        assert system["min_s"] <= system["median_s"] <= system["max_s"]
+        assert all(seed["errors"] == [] for seed in system["per_seed"]), name
+    single = out["systems"]["single"]["per_seed"][0]
+    assert single["stopped_by"] == "target" and single["steps_to_target"] > 0
+    assert min(out["systems"]["atom_2"]["per_seed"][0]["rounds"]) > 0
+    for name in ("ddp", "pipeline"):
+        seed = out["systems"][name]["per_seed"][0]
+        assert number(seed["startup_s"]) and number(seed["s_per_step"]), name
+    if "sync_mode" in {f.name for f in fields(PeerSection)}:  # blocking rounds exist
+        assert number(out["speedup_vs_sync_diloco"])
+    assert out["config"]["seeds"] == 1 and out["config"]["peers"] == [2]
+    assert out["link"]["bandwidth_mbit"] == 10.0
+    leftovers = [p.name for p in CPU_ROOT.glob("atom*")]
+    assert not [n for n in leftovers if n.startswith(f"atom{proc.pid}-")]
