@@ -20,6 +20,7 @@ largest proposal, so they stay in phase.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import subprocess
@@ -46,6 +47,7 @@ from atomtrain.peer.state import StateCheck
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.train.runner import StepRunner
 from atomtrain.train.trainer import TrainState
+from atomtrain.values import atomic_write_text
 
 log = logging.getLogger(__name__)
 # hivemind logs a failed round as an error with a traceback; the runtime reports it in one line.
@@ -250,8 +252,9 @@ class PeerRuntime:
         assert self.dht is not None
         addrs = [str(a) for a in self.dht.get_visible_maddrs()]
         self.addrs = addrs
-        (self.run_dir / "peer.json").write_text(
-            __import__("json").dumps({"name": self.name, "addrs": addrs, "peer_id": self.peer_id})
+        atomic_write_text(  # others read it while this peer starts
+            self.run_dir / "peer.json",
+            json.dumps({"name": self.name, "addrs": addrs, "peer_id": self.peer_id}),
         )
         log.info("peer %s listening; others join with --join %s", self.name, addrs[0])
 
