@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ import pytest
 from atomtrain.bench.cgroup import CPU_ROOT
 from atomtrain.bench.scaling_launch import Proc, SystemRun, Tail
 from atomtrain.bench.scaling_report import baseline_seed, spread, swarm_seed
-from atomtrain.config import PeerSection
 from atomtrain.train.metrics import MetricsLog, read_metrics
 
 
@@ -139,8 +137,10 @@ def test_quick_bench_end_to_end(tmp_path: Path):
     for name in ("ddp", "pipeline"):
         seed = out["systems"][name]["per_seed"][0]
         assert number(seed["startup_s"]) and number(seed["s_per_step"]), name
-    if "sync_mode" in {f.name for f in fields(PeerSection)}:  # blocking rounds exist
-        assert number(out["speedup_vs_sync_diloco"])
+    synced = out["systems"]["sync_diloco"]["per_seed"][0]
+    assert synced["errors"] == [] and min(synced["rounds"]) > 0  # blocking rounds ran
+    # it reached the target, or ran out of its budget (the quick budget is short)
+    assert number(out["speedup_vs_sync_diloco"]) or synced["stopped_by"] == "budget"
     assert out["config"]["seeds"] == 1 and out["config"]["peers"] == [2]
     assert out["link"]["bandwidth_mbit"] == 10.0
     leftovers = [p.name for p in CPU_ROOT.glob("atom*")]

@@ -53,6 +53,18 @@ COMMANDS: dict[str, list[str] | str] = {
     "atomtrain status --join /ip4/…/p2p/… --swarm mine": "needs a live peer's address",
     "atomtrain train --swarm mine --swarm-key swarm.key": "test_security: keyed swarms",
     "sudo atomtrain bench wan --json": "needs root and network namespaces",
+    "sudo atomtrain bench scaling --json": "test_bench_scaling: the quick run",
+    # the transformers section: its commands are tested with tiny models from configs
+    "atomtrain train --model.hf=~/models/my-llama --data.source=~/texts \\": "test_hf_io",
+    'atomtrain train --model.hf_config="$CFG" --data.source=src --train.steps=4 --name base': (
+        "test_hf_io: a model from a config"
+    ),
+    "atomtrain train --model.hf=out/base --data.source=src --device-memory 40MB \\": (
+        "test_hf_io: fine-tuning through the engine"
+    ),
+    "atomtrain export runs/base --format hf out/base": "test_hf_io: export round trip",
+    "atomtrain export runs/ft --format hf out/ft": "test_hf_io: export round trip",
+    "atomtrain export runs/ft --format hf out/my-llama-ft": "test_hf_io: export round trip",
 }
 
 

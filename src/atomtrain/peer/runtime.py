@@ -294,7 +294,12 @@ class PeerRuntime:
         assert self.dht is not None
         deadline = time.time() + wait_s
         while True:
-            others = [s for s in read_statuses(self.dht, self.cfg.swarm) if s.name != self.name]
+            now = time.time()  # a dead peer's record lingers until it expires: not counted
+            others = [
+                s
+                for s in read_statuses(self.dht, self.cfg.swarm)
+                if s.name != self.name and s.fresh(now, 3 * PUBLISH_EVERY_S)
+            ]
             if others or time.time() > deadline:
                 return others
             time.sleep(0.25)
