@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from atomtrain.peer.churn import ChurnConfig, run_churn
-from atomtrain.peer.launcher import Swarm
 from atomtrain.train.checkpoint import latest_checkpoint
 from atomtrain.train.metrics import read_metrics
 
@@ -97,37 +96,6 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None
     return load_file(ckpt / "model.safetensors")
-
-
-def test_two_peers_train_agree_and_report_status(tmp_path: Path):
-    swarm = Swarm(
-        "duo",
-        tmp_path,
-        "duo",
-        [*SMALL, "--train.steps=150", "--peer.sync_every=15"],
-        wait_for=2,
-        expected=2,
-    )
-    try:
-        addr = swarm.wait_addr(swarm.launch(0, 2, None))
-        swarm.launch(1, 2, addr)
-        status = run_cli("status", "--join", addr, "--swarm", "duo", cwd=tmp_path, timeout=60)
-        assert status.returncode == 0, status.stderr
-        assert "round" in status.stdout and "duo-peer0" in status.stdout
-        deadline = time.time() + 300
-        while swarm.running() and time.time() < deadline:
-            time.sleep(0.5)
-    finally:
-        swarm.stop()
-    assert [p.proc.returncode for p in swarm.peers] == [0, 0]
-    finals = []
-    for p in swarm.peers:
-        vals = [r["val_loss"] for r in read_metrics(p.run_dir / "metrics.jsonl") if "val_loss" in r]
-        assert vals[-1] < vals[0] - 1.0
-        finals.append(json.loads((latest_checkpoint(p.run_dir) / "state.json").read_text()))
-    assert finals[0]["peer_round"] >= 1
-    a, b = (final_params(p.run_dir) for p in swarm.peers)
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= AGREEMENT_TOL
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +208,10 @@ def test_machines_started_as_the_readme_says_each_do_their_own_work(tmp_path: Pa
         for run in runs
     ]
     assert first_losses[0] != first_losses[1]  # same weights, different batches
+    for run in runs:  # both learnt, and averaged at least once
+        vals = [r["val_loss"] for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]
+        assert vals[-1] < vals[0] - 1.0
+        assert json.loads((latest_checkpoint(run) / "state.json").read_text())["peer_round"] >= 1
     a, b = (final_params(r) for r in runs)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= AGREEMENT_TOL
 
