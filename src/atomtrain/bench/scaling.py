@@ -150,6 +150,9 @@ def run_swarm(
         f"--peer.outer_lr={cfg.outer_lr}",
         f"--peer.outer_momentum={cfg.outer_momentum}",
         f"--peer.matchmaking_s={cfg.matchmaking_s}",
+        # a swarm of known size: a round starts once every peer has joined its group, instead
+        # of waiting out the matchmaking time for peers that do not exist
+        f"--peer.target_group_size={peers}",
     ]
     if system == "sync_diloco":
         flags.append("--peer.sync_mode=blocking")
