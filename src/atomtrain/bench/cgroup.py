@@ -82,14 +82,18 @@ class CpuQuotas:
         return 0.0
 
     def release(self, name: str) -> None:
-        """Kill whatever still runs in group `name` and remove the group."""
+        """Kill whatever still runs in group `name` and remove the group.
+
+        A wrapped process may join its group at any moment (its shell writes its pid after
+        Popen returned), and a group whose last process is still exiting refuses rmdir for a
+        moment: kill and remove in turns until the group is gone. Once it is, a late shell's
+        write fails and that shell exits without running its command."""
         path = self.groups.pop(name, None)
         if path is None:
             return
-        self._empty(path)
         with contextlib.suppress(FileNotFoundError):
-            # a group whose last process is still exiting refuses rmdir for a moment
-            for _ in range(100):
+            for _ in range(200):
+                self._kill_members(path)
                 try:
                     path.rmdir()
                     return
@@ -101,16 +105,10 @@ class CpuQuotas:
             self.release(name)
 
     @staticmethod
-    def _empty(path: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            for _ in range(100):
-                pids = [int(p) for p in (path / "cgroup.procs").read_text().split()]
-                if not pids:
-                    return
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                time.sleep(0.05)
+    def _kill_members(path: Path) -> None:
+        for pid in (int(p) for p in (path / "cgroup.procs").read_text().split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def __exit__(self, *exc: object) -> None:
         try:

@@ -200,7 +200,10 @@ class PeerRuntime:
                     **identity,
                 )
             except Exception as e:
-                refused = initial and "bootstrap failed" in str(e)
+                # hivemind says "bootstrap failed"; p2pd itself, "failed to connect to bootstrap
+                # peers" (its daemon refuses to start while no initial peer answers)
+                text = str(e).lower()
+                refused = bool(initial) and ("bootstrap failed" in text or "bootstrap peers" in text)
                 if refused and time.time() < deadline:
                     if not warned:
                         log.warning(
