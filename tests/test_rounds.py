@@ -13,7 +13,7 @@ from atomtrain.config import PeerSection
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW, AdamWConfig
 from atomtrain.peer.layout import Sketcher, cut_pieces, flatten
-from atomtrain.peer.rounds import apply_outer_step, move_to
+from atomtrain.peer.rounds import apply_outer_step, move_to, shift_to_own_share
 from atomtrain.peer.runtime import PeerRuntime
 from atomtrain.train.runner import PlainRunner
 from atomtrain.train.trainer import TrainState
@@ -214,3 +214,38 @@ def test_the_outer_step_moves_model_and_sync_alike():
     torch.testing.assert_close(theta, theta_want)
     torch.testing.assert_close(flatten(params, pieces), x_want)
     assert len(Sketcher(57).of(theta)) == 64
+
+
+def test_an_overlapped_round_trains_on_from_its_share_and_lands_where_the_plain_rule_does():
+    """Shifted at the start (x <- x + q - e), corrected at the landing (x <- x + e - s): the
+    model ends at x + q - s with the progress made meanwhile, and a round that does not land
+    is undone exactly."""
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(40, generator=g), "b": torch.randn(9, generator=g)}
+    pieces = cut_pieces({n: p.numel() for n, p in params.items()}, pieces_hint=3)
+    x0 = flatten(params, pieces)
+    theta = x0 + torch.randn(49, generator=g) * 0.1
+    own = [(theta - x0)[p.offset : p.offset + p.numel].half() for p in pieces]
+    q = torch.cat([o.float() for o in own])
+    avg = [torch.randn(p.numel, generator=g).half() for p in pieces]
+    m = torch.randn(49, generator=g)
+    lr, mu, share = 0.7, 0.9, 0.5
+    e = lr * ((1 + mu) * share * q + mu * mu * m)
+    shift_to_own_share(params, pieces, own, m, lr, mu, share)
+    torch.testing.assert_close(flatten(params, pieces), x0 + q - e)
+    progress = torch.randn(49, generator=g) * 0.01
+    for p in pieces:  # local steps while the round runs
+        params[p.name].view(-1)[p.start : p.start + p.numel] += progress[
+            p.offset : p.offset + p.numel
+        ]
+    a_flat = torch.cat([a.float() for a in avg])
+    step = lr * (a_flat + mu * (mu * m + a_flat))
+    t, mm = theta.clone(), m.clone()
+    apply_outer_step(params, pieces, list(zip(avg, own, strict=True)), t, mm, lr, mu, False, share)
+    torch.testing.assert_close(flatten(params, pieces), x0 + progress + q - step)
+    torch.testing.assert_close(t, theta - step)
+    # a round that does not land: undone, the model keeps exactly its own progress
+    before = flatten(params, pieces)
+    shift_to_own_share(params, pieces, own, mm, lr, mu, share)
+    shift_to_own_share(params, pieces, own, mm, lr, mu, share, undo=True)
+    torch.testing.assert_close(flatten(params, pieces), before)

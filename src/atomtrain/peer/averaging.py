@@ -256,6 +256,10 @@ class ProbedAverager:
         with self.averager.get_tensors() as tensors:
             yield [(tensors[2 * i], self._inputs[2 * i]) for i in range(len(self.pieces))]
 
+    def contributions(self) -> list[torch.Tensor]:
+        """This member's contribution to the running (or last) round, per piece."""
+        return self._inputs[::2]
+
     def rejections(self) -> list[tuple[str, str]]:
         """(peer, why) for each member the averager rejected since the last call, by name when a
         round told us its name."""

@@ -12,6 +12,19 @@ q = compress(theta - x) sent at the round's start, a round that averaged to `a` 
 so the model ends at the new synchronized parameters plus the local progress made while the
 round ran, minus what compression did not send (error feedback: the next round's pseudo-gradient
 carries it). No flat copy of the model is made: every vector is touched one piece at a time.
+
+Overlapped rounds (the runtime's default) do not leave the model at theta - q while the round
+runs: a peer that kept its whole contribution would train on, for the round's duration, from a
+point that holds its own drift undiluted, and measured that way (a simulation of 2 and 4
+workers, a round landing 9 steps after it started, every 10 steps) averaging gained nothing over
+one worker. Instead, at the round's start the model takes the step its own share of the group
+would make, e = outer step of share * q (share = 1 / expected group size), and the round's
+landing corrects that estimate to the real step:
+
+    at the start:   x <- x + q - e
+    at the landing: x <- x + e - s
+
+which ends where the plain rule ends (x + q - s), with the drift diluted while the round runs.
 """
 
 from __future__ import annotations
@@ -60,6 +73,34 @@ def write_contribution(
     sketcher.accumulate(stats.sketch, piece.offset, sent)
 
 
+def own_share_step(
+    own: torch.Tensor, momentum: torch.Tensor, lr: float, mu: float, share: float
+) -> torch.Tensor:
+    """The outer step (float32) a round would make if the group averaged to `share * own`."""
+    a = own.float().mul_(share)
+    return a.mul_(1 + mu).add_(momentum, alpha=mu * mu).mul_(lr)
+
+
+@torch.no_grad()
+def shift_to_own_share(
+    params: Mapping[str, torch.Tensor],
+    pieces: list[Piece],
+    owns: list[torch.Tensor],
+    momentum: torch.Tensor,
+    lr: float,
+    mu: float,
+    share: float,
+    undo: bool = False,
+) -> None:
+    """At an overlapped round's start, x <- x + q - e (see the module docstring); with `undo`,
+    the reverse, for a round that will not land."""
+    for piece, own in zip(pieces, owns, strict=True):
+        sl = slice(piece.offset, piece.offset + piece.numel)
+        shift = own.float().sub_(own_share_step(own, momentum[sl], lr, mu, share))
+        x = param_slice(params, piece)
+        x.sub_(shift.to(x)) if undo else x.add_(shift.to(x))
+
+
 @torch.no_grad()
 def apply_outer_step(
     params: Mapping[str, torch.Tensor],
@@ -70,10 +111,11 @@ def apply_outer_step(
     lr: float,
     mu: float,
     final: bool,
+    share: float = 0.0,
 ) -> None:
     """Apply an averaged round in place (see the module docstring). The final round of a run
     averages the parameters themselves (theta <- theta - a, x <- theta), so every finisher
-    ends with the same model."""
+    ends with the same model. `share` > 0: the round started with shift_to_own_share."""
     for piece, (avg, own) in zip(pieces, pairs, strict=True):
         sl = slice(piece.offset, piece.offset + piece.numel)
         a = avg.float()
@@ -83,10 +125,11 @@ def apply_outer_step(
             x.copy_(theta[sl].to(x))
             continue
         m = momentum[sl]
+        taken = own_share_step(own, m, lr, mu, share) if share > 0 else own.float()
         m.mul_(mu).add_(a)
         step = a.add_(m, alpha=mu).mul_(lr)  # a is a fresh float32 copy: reuse it
         theta[sl].sub_(step)
-        x.add_((own.float() - step).to(x))
+        x.add_((taken - step).to(x))
 
 
 @torch.no_grad()

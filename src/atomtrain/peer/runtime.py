@@ -42,7 +42,14 @@ from atomtrain.peer.hygiene import start_watchdog
 from atomtrain.peer.layout import Sketcher, assign, cut_pieces, digest, flatten
 from atomtrain.peer.outer import OuterNesterov
 from atomtrain.peer.robust import Defence
-from atomtrain.peer.rounds import Contribution, apply_outer_step, move_to, write_contribution
+from atomtrain.peer.rounds import (
+    Contribution,
+    apply_outer_step,
+    move_to,
+    own_share_step,
+    shift_to_own_share,
+    write_contribution,
+)
 from atomtrain.peer.state import StateCheck
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.train.runner import StepRunner
@@ -63,6 +70,11 @@ FIRST_SYNC_EVERY = 10
 """Local steps before the first round when H is auto (nothing measured yet)."""
 AUTO_MARGIN = 1.25
 """With H auto, the next interval's compute is this many times the measured round time."""
+OWN_SHARE = 0.5
+"""While an overlapped round runs, a member trains on from this share of its own contribution
+(rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
+loss after 200 steps: 2.79 keeping all of it, 2.74 keeping a quarter (1 / group size), 2.62
+keeping half; blocking rounds 2.54, one worker alone 2.74."""
 MIN_SCALE_STEPS = 1.0
 """A typical update moves an element (RMS) at least as far as this many AdamW steps at the peak
 learning rate (each moves an element by up to about lr), so a peer whose own update is tiny still
@@ -118,6 +130,8 @@ class PeerRuntime:
         self._round_started = 0.0
         self.last_round_s = 0.0
         self._final = False
+        self._share = 0.0
+        """This member's share of the running round it trains on from (rounds.py); 0: none."""
         self._resync: Any = None
         self.last_group_ids: list[str] = []
         self.last_sync = 0.0
@@ -203,7 +217,9 @@ class PeerRuntime:
                 # hivemind says "bootstrap failed"; p2pd itself, "failed to connect to bootstrap
                 # peers" (its daemon refuses to start while no initial peer answers)
                 text = str(e).lower()
-                refused = bool(initial) and ("bootstrap failed" in text or "bootstrap peers" in text)
+                refused = bool(initial) and any(
+                    m in text for m in ("bootstrap failed", "bootstrap peers")
+                )
                 if refused and time.time() < deadline:
                     if not warned:
                         log.warning(
@@ -340,14 +356,24 @@ class PeerRuntime:
             self.averager.averager.state_sharing_priority = float(self.round)
 
     def extra_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """For checkpoints: round counter, synchronized parameters, outer momentum."""
+        """For checkpoints: round counter, synchronized parameters, outer momentum. Taken while
+        an overlapped round runs, the model holds that round's shift (rounds.py); the saved
+        synchronized parameters carry it too, so theta - x is still all the progress no landed
+        round holds, and a resumed peer sends it all."""
         with self.lock:
+            theta = self.theta_sync.clone()
+            if self._share > 0 and self.averager is not None:
+                owns = self.averager.contributions()
+                for piece, own in zip(self.pieces, owns, strict=True):
+                    sl = slice(piece.offset, piece.offset + piece.numel)
+                    m = self.outer.buf[sl]
+                    e = own_share_step(
+                        own, m, self.cfg.outer_lr, self.cfg.outer_momentum, self._share
+                    )
+                    theta[sl].add_(own.float() - e)
             return (
                 {"peer_round": self.round},
-                {
-                    "peer/theta_sync": self.theta_sync.clone(),
-                    "peer/momentum": self.outer.buf.clone(),
-                },
+                {"peer/theta_sync": theta, "peer/momentum": self.outer.buf.clone()},
             )
 
     # --- rounds ---------------------------------------------------------------------------------
@@ -413,6 +439,28 @@ class PeerRuntime:
         self._round_started = time.perf_counter()
         self._round_steps = self.steps_since_round
         self._round_tokens = self.round_tokens
+        if self.cfg.sync_mode == "async" and not self._final:
+            self._shift(OWN_SHARE)
+
+    def _shift(self, share: float) -> None:
+        """Overlapped rounds: train on from this member's share of the round (rounds.py); a
+        share of 0 undoes the shift of a round that will not land."""
+        assert self.averager is not None
+        undo = share == 0.0
+        if undo and self._share == 0.0:
+            return
+        with self.lock:
+            shift_to_own_share(
+                self.runner.host_parameters(),
+                self.pieces,
+                self.averager.contributions(),
+                self.outer.buf,
+                self.cfg.outer_lr,
+                self.cfg.outer_momentum,
+                self._share if undo else share,
+                undo=undo,
+            )
+        self._share = share
 
     def _poll(self, record: dict[str, Any], wait: bool) -> None:
         av = self.averager
@@ -426,6 +474,7 @@ class PeerRuntime:
             result = av.result()
         except RoundFailed as e:
             self.failed_rounds += 1
+            self._shift(0.0)
             # nothing applied: the progress stays in the model and goes with the next round
             log.info("round %d: %s; its progress goes with the next round", self.round, e)
             return
@@ -435,6 +484,7 @@ class PeerRuntime:
         assert self.averager is not None
         round_s = time.perf_counter() - self._round_started
         if not result.self_in_sync:
+            self._shift(0.0)
             self._start_resync(result)
             return
         params = self.runner.host_parameters()
@@ -448,7 +498,9 @@ class PeerRuntime:
                 self.cfg.outer_lr,
                 self.cfg.outer_momentum,
                 self._final,
+                self._share,
             )
+            self._share = 0.0
             self.round += 1
             self._sketch = self.sketcher.of(self.theta_sync)
         self.averager.averager.state_sharing_priority = float(self.round)
