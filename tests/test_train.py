@@ -124,3 +124,23 @@ def test_run_dir_holds_resolved_config(prepared: Path, tmp_path: Path):
     s = open_session(config(prepared, tmp_path, "--train.steps=2", "--train.lr=0.002"))
     saved = json.loads((s.run_dir / "config.json").read_text())
     assert saved["train"]["lr"] == 0.002 and saved["model"]["preset"] == "tiny"
+
+
+def test_tensorboard_event_files_hold_the_same_numbers_as_metrics_jsonl(
+    prepared: Path, tmp_path: Path
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    session = open_session(config(prepared, tmp_path, "--train.steps=10", "--log.tensorboard=true"))
+    session.trainer.fit()
+    records = read_metrics(session.run_dir / "metrics.jsonl")
+    events = EventAccumulator(str(session.run_dir / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"train/loss", "train/lr", "val/val_loss"} <= set(tags)
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    want = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert losses.keys() == want.keys()
+    assert all(abs(losses[k] - want[k]) <= 1e-6 * abs(want[k]) for k in want)
+    vals = [e.step for e in events.Scalars("val/val_loss")]
+    assert vals == [r["step"] for r in records if "val_loss" in r]

@@ -8,6 +8,7 @@ directory made, none replaced, no checkpoint touched. Each check names the field
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,10 @@ def _check_run(cfg: RunConfig) -> None:
                 raise AtomError(f"run.out_dir {out}: {parent} is a file, not a directory")
     except OSError as e:  # a name too long, a directory we may not look into
         raise AtomError(f"run.out_dir {out} cannot be used ({e.strerror})") from None
+    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise AtomError(
+            "log.tensorboard needs the tensorboard package: pip install 'atomtrain[tensorboard]'"
+        )
 
 
 def _check_data(cfg: RunConfig) -> None:

@@ -209,6 +209,15 @@ class PeerSection:
 
 
 @dataclass(frozen=True)
+class LogSection:
+    """What a run writes besides metrics.jsonl."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files to `<run dir>/tensorboard/` (needs the `tensorboard`
+    package: pip install 'atomtrain[tensorboard]'); view with `tensorboard --logdir runs`."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -217,6 +226,7 @@ class RunConfig:
     optim: AdamWConfig = field(default_factory=AdamWConfig)
     engine: EngineSection = field(default_factory=EngineSection)
     peer: PeerSection = field(default_factory=PeerSection)
+    log: LogSection = field(default_factory=LogSection)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,6 +13,7 @@ from atomtrain.errors import AtomError
 def build_parser() -> argparse.ArgumentParser:
     from atomtrain.cli import (
         bench_cmd,
+        dashboard_cmd,
         data_cmd,
         export_cmd,
         plan_cmd,
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (
         train_cmd,
         swarm_cmd,
+        dashboard_cmd,
         sample_cmd,
         serve_cmd,
         data_cmd,

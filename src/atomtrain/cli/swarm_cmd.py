@@ -23,6 +23,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config for every peer")
     p.add_argument("--no-sample", action="store_true", help="skip the text sample at the end")
     p.add_argument("--swarm-key", metavar="FILE", help="the swarm's key (atomtrain keygen)")
+    p.add_argument(
+        "--dashboard",
+        type=int,
+        metavar="PORT",
+        help="also serve the live web page on 127.0.0.1:PORT (atomtrain dashboard)",
+    )
     p.set_defaults(func=run_swarm, accepts_overrides=True)
 
     s = sub.add_parser("status", help="print the progress table of any swarm")
@@ -107,6 +113,10 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.peers < 1:
         raise AtomError("--peers must be at least 1")
+    if args.dashboard is not None:
+        from atomtrain.values import check_port
+
+        check_port(args.dashboard, "--dashboard")
     out = Path(args.out_dir)
     extra = [*overrides]
     if args.config:
@@ -132,7 +142,7 @@ def run_swarm(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"swarm {args.name!r}: peer 0 at {addr}", file=sys.stderr)
         for i in range(1, args.peers):
             swarm.launch(i, args.peers, addr)
-        _watch(swarm, addr, args.swarm_key)
+        _watch(swarm, addr, args.swarm_key, args.dashboard)
     except KeyboardInterrupt:
         print("stopping the swarm (each peer writes a checkpoint)...", file=sys.stderr)
         swarm.stop()
@@ -154,11 +164,23 @@ def _check_peer_config(swarm, n: int) -> None:
     resolve_config(args, overrides)
 
 
-def _watch(swarm, addr: str, key_file: str | None) -> None:
+def _watch(swarm, addr: str, key_file: str | None, dashboard: int | None = None) -> None:
     dht = _client_dht(addr, key_file)
     tty = sys.stdout.isatty()
     lines = 0
+    server = watch = None
     try:
+        if dashboard is not None:
+            from atomtrain.dashboard.collector import SwarmWatch
+            from atomtrain.dashboard.server import start_dashboard
+            from atomtrain.errors import AtomError
+
+            watch = SwarmWatch(dht, swarm.name).start()
+            try:
+                server = start_dashboard(watch, "127.0.0.1", dashboard)
+            except OSError as e:
+                raise AtomError(f"cannot listen on 127.0.0.1:{dashboard} ({e.strerror})") from None
+            print(f"dashboard at {server.url()}", file=sys.stderr, flush=True)
         while swarm.running():
             table = _table(dht, swarm.name)
             if tty and lines:
@@ -167,6 +189,10 @@ def _watch(swarm, addr: str, key_file: str | None) -> None:
             lines = table.count("\n") + 1
             time.sleep(1.0 if tty else 10.0)
     finally:
+        if server is not None:
+            server.shutdown()
+        if watch is not None:
+            watch.stop()
         dht.shutdown()
 
 

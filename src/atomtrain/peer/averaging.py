@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator  # noqa: UP035
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import Float16Compression, NoCompression, PerTensorCompression
 from hivemind.p2p import P2PContext, PeerID
@@ -52,6 +53,7 @@ from atomtrain.peer.codecs import Uniform4BitQuantization, Uniform8Bit, register
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, capped_weights
 from atomtrain.peer.sync import in_sync_flags
+from atomtrain.peer.traffic import RECEIVED, SENT, CountedRunner, Traffic
 
 log = logging.getLogger(__name__)
 register()  # the 4-bit codec, before any averager process starts
@@ -109,7 +111,7 @@ class ProbedAverager:
     ) -> None:
         self.pieces = pieces
         self.timeout_s = timeout_s
-        wire, dtype, self.wire_bytes_per_element = codec(compression)
+        wire, dtype, _ = codec(compression)
         # one shared storage per dtype and role: a shared tensor each would ask torch's shared
         # memory manager once per piece, slow on a busy machine
         numel = sum(p.numel for p in pieces)
@@ -129,6 +131,7 @@ class ProbedAverager:
         self.kinds = [PROBE if i % 2 else DELTA for i in range(len(tensors))]
         self._events: Any = mp.get_context("fork").Queue()
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
+        self.traffic = Traffic()  # bytes moved, counted in the averager's process
         self.averager = GuardedAverager(
             state_provider,
             gate or MemberGate(None, prefix),
@@ -136,6 +139,7 @@ class ProbedAverager:
             self.kinds,
             self._events,
             inputs,
+            self.traffic,
             tensors,
             dht,
             prefix=prefix,
@@ -161,13 +165,6 @@ class ProbedAverager:
         with self.averager.get_tensors() as tensors:
             held = sum(t.numel() * t.element_size() for t in tensors)
         return held + sum(t.numel() * t.element_size() for t in self._inputs[::2])  # own copy
-
-    def wire_bytes(self, group_size: int) -> float:
-        """Bytes a member sends (and as many receives) in a round of `group_size`: its vector
-        minus the span it reduces itself, then the averages of that span to each other member."""
-        numel = sum(p.numel for p in self.pieces)
-        share = (group_size - 1) / max(group_size, 1)
-        return share * numel * self.wire_bytes_per_element
 
     # --- a round ------------------------------------------------------------------------------
 
@@ -199,6 +196,11 @@ class ProbedAverager:
 
     def done(self) -> bool:
         return self._control is not None and self._control.done()
+
+    def averaging_began(self) -> bool:
+        """The running round found its group and its all-reduce is under way (or over)."""
+        stage = getattr(self._control, "stage", None)
+        return stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED)
 
     def cancel(self) -> None:
         if self._control is not None:
@@ -312,10 +314,12 @@ class GuardedAverager(DecentralizedAverager):
         kinds: list[str],
         events: Any,
         inputs: list[torch.Tensor],
+        traffic: Traffic,
         *args: Any,
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
+        self._traffic = traffic
         self._kinds, self._events, self._inputs = kinds, events, inputs
         super().__init__(*args, **kwargs)
 
@@ -345,7 +349,11 @@ class GuardedAverager(DecentralizedAverager):
         if not await self._gate.allows(self.dht, context.remote_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_aggregate_part(stream, context):
+        # the reducer's side of this member's traffic: parts in, averages out
+        async for message in super().rpc_aggregate_part(
+            self._traffic.count(RECEIVED, stream), context
+        ):
+            self._traffic.add(SENT, message)
             yield message
 
     async def rpc_download_state(
@@ -386,9 +394,24 @@ class GuardedAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         for tensor, original in zip(tensors, self._inputs, strict=True):
             tensor.copy_(original)  # every attempt of a round starts from the round's input
-        if self._defence is None:
-            return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         group_id = group_info.group_id if group_id is None else group_id
+        if self._defence is None:
+            runner = CountedRunner(
+                traffic=self._traffic,
+                p2p=self._p2p,
+                servicer_type=type(self),
+                prefix=self.prefix,
+                tensors=tensors,
+                group_id=group_id,
+                ordered_peer_ids=group_info.peer_ids,
+                **kwargs,
+            )
+            self._running_groups[group_id].set_result(runner)
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update.to(tensor.dtype), alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+            return
         users: list[dict[str, Any]] = []
         for blob in group_info.gathered:
             try:
@@ -413,6 +436,7 @@ class GuardedAverager(DecentralizedAverager):
             in_sync=dict(zip(group_info.peer_ids, flags, strict=True)),
             defence=self._defence,
             on_reject=self._reject,
+            traffic=self._traffic,
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,

@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import PeerID
 
 from atomtrain.peer.sync import lower_median
+from atomtrain.peer.traffic import CountedRunner
 
 DELTA, PROBE = "delta", "probe"
 MIN_WEIGHT = 1e-6
@@ -200,7 +200,7 @@ class RobustReducer(TensorPartReducer):
         self.on_reject(sender, why)
 
 
-class RobustRunner(AllReduceRunner):
+class RobustRunner(CountedRunner):
     """hivemind's all-reduce with the robust reducer and a check of what other reducers return."""
 
     def __init__(

@@ -26,6 +26,7 @@ import math
 import subprocess
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from atomtrain.peer.rounds import (
 )
 from atomtrain.peer.state import StateCheck
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
+from atomtrain.peer.traffic import RateMeter
 from atomtrain.train.runner import StepRunner
 from atomtrain.train.trainer import TrainState
 from atomtrain.values import atomic_write_text
@@ -129,6 +131,12 @@ class PeerRuntime:
         self._last_step_at = 0.0
         self._round_started = 0.0
         self.last_round_s = 0.0
+        self.last_round_bytes = 0.0
+        self.last_matchmaking_s = 0.0
+        self.outcomes: deque[bool] = deque(maxlen=20)  # applied or not, of the last rounds
+        self._rates = RateMeter()
+        self._averaging_began = 0.0
+        self._traffic_at_start = (0.0, 0.0)
         self._final = False
         self._share = 0.0
         """This member's share of the running round it trains on from (rounds.py); 0: none."""
@@ -437,6 +445,8 @@ class PeerRuntime:
             },
         )
         self._round_started = time.perf_counter()
+        self._averaging_began = 0.0
+        self._traffic_at_start = self.averager.traffic.totals()
         self._round_steps = self.steps_since_round
         self._round_tokens = self.round_tokens
         if self.cfg.sync_mode == "async" and not self._final:
@@ -466,7 +476,11 @@ class PeerRuntime:
         av = self.averager
         if av is None or not av.running:
             return
-        while wait and not av.done():
+        while True:
+            if not self._averaging_began and av.averaging_began():
+                self._averaging_began = time.perf_counter()  # matchmaking is over
+            if not wait or av.done():
+                break
             time.sleep(0.01)
         if not av.done():
             return
@@ -474,6 +488,7 @@ class PeerRuntime:
             result = av.result()
         except RoundFailed as e:
             self.failed_rounds += 1
+            self.outcomes.append(False)
             self._shift(0.0)
             # nothing applied: the progress stays in the model and goes with the next round
             log.info("round %d: %s; its progress goes with the next round", self.round, e)
@@ -508,6 +523,15 @@ class PeerRuntime:
         self.round_tokens -= self._round_tokens
         self.last_sync = time.time()
         self.last_round_s = round_s
+        self.outcomes.append(True)
+        sent0, received0 = self._traffic_at_start
+        sent, received = self.averager.traffic.totals()
+        self.last_round_bytes = (sent - sent0) + (received - received0)
+        began = self._averaging_began or time.perf_counter()
+        self.last_matchmaking_s = began - self._round_started
+        record["round_sent_bytes"] = sent - sent0
+        record["round_received_bytes"] = received - received0
+        record["matchmaking_s"] = self.last_matchmaking_s
         self._choose_sync_every(result, round_s)
         if result.group_size > 1 and self.first_contribution_s is None:
             self.first_contribution_s = self.last_sync - self.started_at
@@ -517,7 +541,7 @@ class PeerRuntime:
         record["group"] = sorted(str(g.get("name", ""))[:64] for g in result.peers)
         self.last_group_ids = result.peer_ids
         record["round_s"] = round_s
-        record["round_bytes"] = self.averager.wire_bytes(result.group_size)
+        record["round_bytes"] = self.last_round_bytes
         record["averaging_memory_ratio"] = self.averaging_memory_ratio()
         log.debug("round %d applied with %d peers", self.round, result.group_size)
 
@@ -593,6 +617,10 @@ class PeerRuntime:
     def _publish(self, step: int) -> None:
         if self.dht is None:
             return
+        sent_bps, received_bps = (
+            self._rates.update(*self.averager.traffic.totals()) if self.averager else (0.0, 0.0)
+        )
+        outcomes = list(self.outcomes)
         publish(
             self.dht,
             self.cfg.swarm,
@@ -614,6 +642,11 @@ class PeerRuntime:
                 sync_every=self.sync_every,
                 round_s=self.last_round_s,
                 init_digest=self.init_digest if self.round == 0 else "",
+                sent_bps=sent_bps,
+                received_bps=received_bps,
+                round_bytes=self.last_round_bytes,
+                matchmaking_s=self.last_matchmaking_s,
+                success_share=sum(outcomes) / len(outcomes) if outcomes else 0.0,
             ),
         )
 

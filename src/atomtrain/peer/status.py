@@ -40,6 +40,15 @@ class PeerStatus:
     init_digest: str = ""
     """While at round 0: a digest of the initial parameters (joiners that built the same ones
     from the shared seed need no download)."""
+    sent_bps: float = 0.0
+    received_bps: float = 0.0
+    """Bytes a second the averager sent and received lately (measured: traffic.py)."""
+    round_bytes: float = 0.0
+    """Bytes the last applied round sent plus received."""
+    matchmaking_s: float = 0.0
+    """Of the last applied round: time from its start until its all-reduce began."""
+    success_share: float = 0.0
+    """Share of the last rounds (up to 20) that were applied."""
 
     def fresh(self, now: float, within_s: float = 5.0) -> bool:
         return now - self.updated <= within_s
@@ -67,9 +76,21 @@ class PeerStatus:
                 sync_every=int(value.get("sync_every", 0)),
                 round_s=float(value.get("round_s", 0.0)),
                 init_digest=str(value.get("init_digest", ""))[:64],
+                sent_bps=_nonnegative(value.get("sent_bps", 0.0)),
+                received_bps=_nonnegative(value.get("received_bps", 0.0)),
+                round_bytes=_nonnegative(value.get("round_bytes", 0.0)),
+                matchmaking_s=_nonnegative(value.get("matchmaking_s", 0.0)),
+                success_share=min(_nonnegative(value.get("success_share", 0.0)), 1.0),
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return None
+
+
+def _nonnegative(value: Any) -> float:
+    x = float(value)
+    if not (x >= 0 and x != float("inf")):
+        raise ValueError("expected a finite non-negative number")
+    return x
 
 
 def _strings(value: Any, most: int) -> tuple[str, ...]:
@@ -124,6 +145,10 @@ def status_rows(statuses: list[PeerStatus]) -> list[list[str]]:
             f"{now - s.last_sync:.1f}s" if s.last_sync else "never",
             str(s.sync_every or "-"),
             f"{s.round_s:.1f}s" if s.round_s else "-",
+            f"{s.matchmaking_s:.1f}s" if s.round_s else "-",
+            f"{s.round_bytes / 1e6:.2f}" if s.round_bytes else "-",
+            f"{s.sent_bps * 8 / 1e6:.2f}/{s.received_bps * 8 / 1e6:.2f}",
+            f"{s.success_share:.0%}" if s.round_s or s.failed_rounds else "-",
             str(s.failed_rounds),
             rejected_by(s.name),
         ]
@@ -140,6 +165,10 @@ STATUS_HEADERS = [
     "since sync",
     "H",
     "round time",
+    "matchmaking",
+    "round MB",
+    "Mb/s up/down",
+    "rounds ok",
     "failed",
     "rejected by",
 ]

@@ -12,17 +12,30 @@ from atomtrain.values import atomic_write_text
 
 
 class MetricsLog:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None) -> None:
         self.path = path
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.board = _board(tensorboard_dir) if tensorboard_dir is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
         """Appends `record`, stamped with "time" (unix seconds) when it has none, so a
-        benchmark can time every event from process launch."""
+        benchmark can time every event from process launch. With TensorBoard on, every number
+        in it becomes a scalar at its step."""
         if "time" not in record:
             record = {**record, "time": time.time()}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            step = int(record.get("step", 0))
+            for key, value in record.items():
+                if key in ("step", "time") or isinstance(value, bool):
+                    continue
+                if isinstance(value, int | float):
+                    self.board.add_scalar(_tag(key), value, step, walltime=record["time"])
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
     def truncate_after(self, step: int) -> None:
         """Drop records past `step`, so a resumed run does not log steps twice.
@@ -86,3 +99,18 @@ def plot_losses(metrics_path: Path, out: Path, title: str = "") -> Path:
     plt.close(fig)
     tmp.replace(out)
     return out
+
+
+def _tag(key: str) -> str:
+    """TensorBoard groups tags by their prefix: validation apart from training."""
+    return f"val/{key}" if key.startswith("val_") else f"train/{key}"
+
+
+def _board(directory: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise AtomError(
+            "--log.tensorboard needs the tensorboard package: pip install 'atomtrain[tensorboard]'"
+        ) from None
+    return SummaryWriter(log_dir=str(directory), flush_secs=10)

@@ -350,6 +350,7 @@ def open_session(
         run_dir=run_dir,
         state=state,
         checkpoint_extra=described,
+        tensorboard=cfg.log.tensorboard,
     )
     session = Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)
     if cfg.peer.swarm:

@@ -58,8 +58,12 @@ class Trainer:
     """Entered around each optimizer step (the device scheduler's, when serving beside)."""
     """More state for checkpoints: JSON fields and tensors (the peer runtime's)."""
 
+    tensorboard: bool = False
+    """Also write TensorBoard event files to run_dir/tensorboard."""
+
     def __post_init__(self) -> None:
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        board = self.run_dir / "tensorboard" if self.tensorboard else None
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", board)
 
     def evaluate(self) -> float:
         losses = [self.runner.eval_loss(x, y) for x, y in self.val_batches]
@@ -89,6 +93,7 @@ class Trainer:
             if self.state.step % self.cfg.checkpoint_interval == 0 and not last:
                 self.save()
         self.save()
+        self.metrics.close()
         return self.state
 
     def _one_step(self) -> dict[str, Any]:

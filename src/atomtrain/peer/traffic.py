@@ -1,0 +1,81 @@
+"""Bytes a peer's averager actually moved: every all-reduce message it sent or received, counted
+where hivemind sends and receives them (serialized size), in both roles (as a sender of its own
+parts, and as the reducer of its span). Counters live in shared memory, written by the averager's
+process and read by the peer.
+
+    traffic = Traffic()                   # before the averager process forks
+    sent, received = traffic.totals()     # bytes so far
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+
+SENT, RECEIVED = 0, 1
+
+
+class Traffic:
+    def __init__(self) -> None:
+        self._bytes = torch.zeros(2, dtype=torch.float64).share_memory_()
+
+    def add(self, direction: int, message: Any) -> None:
+        self._bytes[direction] += float(message.ByteSize())
+
+    def totals(self) -> tuple[float, float]:
+        return float(self._bytes[SENT]), float(self._bytes[RECEIVED])
+
+    async def count(self, direction: int, messages: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for message in messages:
+            self.add(direction, message)
+            yield message
+
+
+class _CountedStub:
+    """A peer's stub whose all-reduce stream counts what comes back."""
+
+    def __init__(self, stub: Any, traffic: Traffic) -> None:
+        self._stub, self._traffic = stub, traffic
+
+    async def rpc_aggregate_part(self, inputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        stream = await self._stub.rpc_aggregate_part(inputs)
+        return self._traffic.count(RECEIVED, stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+
+class CountedRunner(AllReduceRunner):
+    """hivemind's all-reduce, counting the parts this member sends to each reducer and the
+    averages it gets back (the reducer's side is counted by the averager's RPC handler)."""
+
+    def __init__(self, *, traffic: Traffic, **kwargs: Any) -> None:
+        self.traffic = traffic
+        super().__init__(**kwargs)
+
+    def _get_peer_stub(self, peer: Any) -> Any:
+        return _CountedStub(super()._get_peer_stub(peer), self.traffic)
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.traffic.add(SENT, message)
+            yield message
+
+
+class RateMeter:
+    """Bytes a second in each direction between two readings of the totals."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float, float] | None = None
+
+    def update(self, sent: float, received: float, now: float | None = None) -> tuple[float, float]:
+        now = time.monotonic() if now is None else now
+        last, self._last = self._last, (now, sent, received)
+        if last is None or now <= last[0]:
+            return 0.0, 0.0
+        dt = now - last[0]
+        return (sent - last[1]) / dt, (received - last[2]) / dt
