@@ -1,6 +1,7 @@
 """Swarm keys close the DHT, averaging and state-download gates; bad updates are refused."""
 
 import asyncio
+import os
 import secrets
 import subprocess
 import sys
@@ -213,6 +214,14 @@ def test_keys_are_written_private_parsed_strictly_and_never_overwritten(tmp_path
             parse_key(bad, "test")
     with pytest.raises(AtomError, match="cannot read swarm key"):
         load_swarm_key(str(tmp_path / "missing.key"))
+    assert key.secret.hex() not in repr(key) and key.secret.hex() not in str(key)
+    assert [p.name for p in tmp_path.iterdir()] == ["swarm.key"]  # no temporary file left
+    path.chmod(0o644)  # a key others may read is a leaked key
+    with pytest.raises(AtomError, match="readable by others"):
+        load_swarm_key(str(path))
+    monkeypatch.setenv("ATOM_SWARM_KEY", key.secret.hex())
+    assert load_swarm_key("", consume_env=True) == key
+    assert "ATOM_SWARM_KEY" not in os.environ  # p2pd and the watchdog, started later, lack it
 
 
 def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Path):

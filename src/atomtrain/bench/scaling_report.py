@@ -45,6 +45,16 @@ def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
         for before, after in zip(run.bytes_before, run.bytes_after, strict=False)
     ][: len(logs)]
     per_round = [s / n for s, n in zip(sent, rounds, strict=True) if n > 0]
+    moved = [  # both directions, on the link and as the averager counted them
+        (after[0] - before[0]) + (after[1] - before[1])
+        for before, after in zip(run.bytes_before, run.bytes_after, strict=False)
+    ][: len(logs)]
+    counted = [last_value(log, "averager_bytes") for log in logs]
+    agree = [
+        c / m
+        for c, m, n in zip(counted, moved, rounds, strict=True)
+        if c is not None and m > 0 and n > 0
+    ]
     memory = [
         r["averaging_memory_ratio"]
         for log in logs
@@ -65,6 +75,7 @@ def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
         "sync_every": [last_value(log, "sync_every") for log in logs],
         "round_s": statistics.median(round_s) if round_s else None,
         "bytes_sent_per_round": statistics.mean(per_round) if per_round else None,
+        "averager_vs_link_bytes": statistics.mean(agree) if agree else None,
         "averaging_memory_ratio": max(memory) if memory else None,
         "device_busy_fraction": statistics.mean(busy) if busy else None,
         "final_val_loss": [last_value(log, "val_loss") for log in logs],
@@ -134,7 +145,12 @@ def report(runs: dict[str, list[SystemRun]], cfg: Any, largest: int, config: dic
     for name in ["single", *(f"atom_{n}" for n in cfg.peers), "sync_diloco"]:
         seeds = [swarm_seed(r, target) for r in runs.get(name, [])]
         systems[name] = {**spread([s["time_s"] for s in seeds]), "per_seed": seeds}
-        for key in ("bytes_sent_per_round", "averaging_memory_ratio", "device_busy_fraction"):
+        for key in (
+            "bytes_sent_per_round",
+            "averager_vs_link_bytes",
+            "averaging_memory_ratio",
+            "device_busy_fraction",
+        ):
             systems[name][key] = median_of(seeds, key)
     single_steps = median_of(systems["single"]["per_seed"], "steps_to_target")
     for name in ("ddp", "pipeline"):
@@ -162,10 +178,13 @@ def report(runs: dict[str, list[SystemRun]], cfg: Any, largest: int, config: dic
     out["device_busy_fraction"] = big["device_busy_fraction"]
     out["averaging_memory_ratio"] = big["averaging_memory_ratio"]
     out["bytes_per_round"] = big["bytes_sent_per_round"]
+    out["averager_vs_link_bytes"] = big["averager_vs_link_bytes"]
     out["notes"] = (
         f"figures of the swarm (device busy, memory, bytes) are those of atom_{largest}, "
         "median over seeds; bytes_per_round: bytes each peer sent per round on its link (DHT "
-        "traffic included); a swarm reaches the target when every peer has validated at or "
+        "traffic included); averager_vs_link_bytes: the bytes each peer's averager counted "
+        "(sent and received, traffic.py) over the bytes its link carried both ways; a swarm "
+        "reaches the target when every peer has validated at or "
         "below it; all times from the launch of a system's first process"
     )
     out["systems"] = systems

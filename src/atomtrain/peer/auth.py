@@ -24,8 +24,9 @@ import hashlib
 import hmac
 import os
 import secrets
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ PROOF_TTL_S = 30.0
 
 @dataclass(frozen=True)
 class SwarmKey:
-    secret: bytes
+    secret: bytes = field(repr=False)  # a logged or printed key object never shows the secret
 
     def mac(self, purpose: bytes, *parts: bytes) -> bytes:
         h = hmac.new(self.secret, purpose, hashlib.sha256)
@@ -70,16 +71,30 @@ def parse_key(text: str, where: str) -> SwarmKey:
     return SwarmKey(bytes.fromhex(body))
 
 
-def load_swarm_key(path: str) -> SwarmKey | None:
-    """The key from a file, else from the environment; None for an open swarm."""
+def load_swarm_key(path: str, consume_env: bool = False) -> SwarmKey | None:
+    """The key from a file, else from the environment; None for an open swarm.
+
+    A key file others may read is refused (a key is a password). With `consume_env`, a key taken
+    from the environment is removed from it, so the processes this one starts afterwards (p2pd,
+    the watchdog) do not inherit the secret."""
     if path:
         try:
             text = Path(path).read_text(encoding="ascii", errors="replace")
+            mode = os.stat(path).st_mode
         except OSError as e:
             raise AtomError(f"cannot read swarm key {path}: {e.strerror or e}") from None
-        return parse_key(text, f"swarm key file {path}")
+        key = parse_key(text, f"swarm key file {path}")
+        if os.name == "posix" and mode & 0o077:
+            raise AtomError(
+                f"swarm key file {path} is readable by others (mode {mode & 0o777:o}); "
+                f"run `chmod 600 {path}`"
+            )
+        return key
     if os.environ.get(KEY_ENV):
-        return parse_key(os.environ[KEY_ENV], f"${KEY_ENV}")
+        key = parse_key(os.environ[KEY_ENV], f"${KEY_ENV}")
+        if consume_env:
+            del os.environ[KEY_ENV]
+        return key
     return None
 
 
@@ -90,11 +105,15 @@ def write_new_key(path: Path, force: bool = False) -> SwarmKey:
         raise AtomError(f"{path} already exists; pass --force to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
     key = SwarmKey(secrets.token_bytes(KEY_HEX_CHARS // 2))
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(key.secret.hex() + "\n")
-    os.replace(tmp, path)
+    # a new file of a random name (O_EXCL, mode 600): never one planted in its place
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(key.secret.hex() + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return key
 
 

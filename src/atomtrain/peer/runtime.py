@@ -117,7 +117,7 @@ class PeerRuntime:
         self.init_digest = digest(self.theta_sync)
         check_attack(cfg.attack)
         self._initial = self.theta_sync.clone() if cfg.attack == "stale" else None
-        self.key = load_swarm_key(cfg.swarm_key)
+        self.key = load_swarm_key(cfg.swarm_key, consume_env=True)
         self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
         self.lock = threading.Lock()  # theta_sync, momentum, round: training vs state serving
@@ -529,6 +529,7 @@ class PeerRuntime:
         self.last_round_bytes = (sent - sent0) + (received - received0)
         began = self._averaging_began or time.perf_counter()
         self.last_matchmaking_s = began - self._round_started
+        record["averager_bytes"] = sent + received  # all rounds so far, failed ones too
         record["round_sent_bytes"] = sent - sent0
         record["round_received_bytes"] = received - received0
         record["matchmaking_s"] = self.last_matchmaking_s
