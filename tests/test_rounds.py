@@ -183,6 +183,28 @@ def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(
     assert max(b.after_step_s) < 1.0  # the download ran in the background
 
 
+def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(pair):
+    import dataclasses
+
+    a, b = pair
+    for d in (a, b):  # the pair so far ran with H fixed; now as `auto` runs
+        d.peer.cfg = dataclasses.replace(d.peer.cfg, sync_every="auto")
+    start = a.peer.round
+    steps_until([a, b], lambda: a.peer.round >= start + 3 and b.peer.round >= start + 3, limit_s=90)
+    settle([a, b])
+    assert a.peer.period_s == b.peer.period_s > 0  # the group's choice
+    assert a.peer.period_s % 0.5 == 0
+    assert a.peer.round_slot == b.peer.round_slot  # both began the last round on one slot
+    assert a.peer.round_slot % 0.5 == 0  # a multiple of the period then in force
+
+
+def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():
+    from atomtrain.peer.runtime import _grain, _next_slot
+
+    assert _grain(0.01) == 0.5 and _grain(1.0) == 1.0 and _grain(1.01) == 1.5
+    assert _next_slot(100.2, 2.5) == 102.5 and _next_slot(102.5, 2.5) == 105.0
+
+
 def test_resynchronizing_keeps_the_local_progress():
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(50, generator=g)}

@@ -13,9 +13,11 @@ averaged in by others too). A peer whose synchronized parameters differ from its
 (sync.py: it missed a round, or resumed from an old checkpoint) downloads the swarm's state in the
 background and moves to it, keeping its local progress.
 
-H is `peer.sync_every`, or with `auto` chosen from the measured step time and round time so a
-round finishes within the compute of the next interval; members of a round all take the group's
-largest proposal, so they stay in phase.
+H is `peer.sync_every`, or with `auto`, rounds start on a clock every peer shares: round slots
+at whole multiples of a period (unix time), the period chosen from the measured round time so a
+round finishes within the next one; members of a round all take the group's largest proposal,
+so every peer looks for its group at the same moment and groups do not split into parts that
+drift apart.
 """
 
 from __future__ import annotations
@@ -69,9 +71,13 @@ P2PD_STARTUP_S = 60.0
 """hivemind gives its p2p daemon 15 s to start; a loaded machine (or a small CPU quota) needs
 more."""
 FIRST_SYNC_EVERY = 10
-"""Local steps before the first round when H is auto (nothing measured yet)."""
+"""With H auto, the first period is this many steps' time (nothing measured yet), rounded up to
+PERIOD_GRAIN_S so peers of about the same speed propose the same."""
 AUTO_MARGIN = 1.25
-"""With H auto, the next interval's compute is this many times the measured round time."""
+"""With H auto, the period is this many times the measured round time."""
+PERIOD_GRAIN_S = 0.5
+"""Periods are whole multiples of this: proposals of peers alike are equal."""
+MAX_PERIOD_S = 3600.0
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
 (rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
@@ -127,6 +133,12 @@ class PeerRuntime:
         self.steps_since_round = 0
         self.sync_every = cfg.fixed_sync_every or FIRST_SYNC_EVERY
         self._proposal = self.sync_every
+        self.period_s = 0.0
+        """With H auto: seconds between round slots (0 until the first steps are timed)."""
+        self._proposal_s = 0.0
+        self._next_round_at = 0.0
+        self.round_slot = 0.0
+        """The slot (unix seconds) the last round started at."""
         self._step_s = 0.0
         self._last_step_at = 0.0
         self._round_started = 0.0
@@ -412,12 +424,22 @@ class PeerRuntime:
         record["sync_every"] = self.sync_every
 
     def _may_start_round(self) -> bool:
-        return (
-            self.averager is not None
-            and not self.averager.running
-            and self._resync is None
-            and self.steps_since_round >= self.sync_every
-        )
+        if self.averager is None or self.averager.running or self._resync is not None:
+            return False
+        if self.cfg.fixed_sync_every:
+            return self.steps_since_round >= self.sync_every
+        return self.steps_since_round >= 1 and self._slot_due()
+
+    def _slot_due(self) -> bool:
+        """With H auto: the shared clock reached this peer's next round slot."""
+        now = time.time()
+        if not self.period_s:
+            if self.steps_since_round < FIRST_SYNC_EVERY or not self._step_s:
+                return False
+            self.period_s = self._proposal_s = _grain(FIRST_SYNC_EVERY * self._step_s)
+        if not self._next_round_at:
+            self._next_round_at = _next_slot(now, self.period_s)
+        return now >= self._next_round_at
 
     def _start_round(self) -> None:
         assert self.averager is not None
@@ -442,9 +464,13 @@ class PeerRuntime:
                 "sketch": sketch,
                 "update_size": stats.size(),
                 "sync_every": self._proposal,
+                "period_s": self._proposal_s,
             },
         )
         self._round_started = time.perf_counter()
+        if self.period_s:  # the slot after this one, on the shared clock
+            self.round_slot = self._next_round_at
+            self._next_round_at = _next_slot(time.time(), self.period_s)
         self._averaging_began = 0.0
         self._traffic_at_start = self.averager.traffic.totals()
         self._round_steps = self.steps_since_round
@@ -547,19 +573,27 @@ class PeerRuntime:
         log.debug("round %d applied with %d peers", self.round, result.group_size)
 
     def _choose_sync_every(self, result: RoundResult, round_s: float) -> None:
+        """With H auto: the period is the largest the round's members proposed (what each sent,
+        so every member computes the same); this peer's next proposal follows its round time."""
         if self.cfg.fixed_sync_every:
             return
-        if self._step_s > 0:
-            need = math.ceil(AUTO_MARGIN * round_s / self._step_s)
-            self._proposal = min(max(need, self.cfg.min_sync_every), self.cfg.max_sync_every)
-        proposals = [self._proposal]
+        lo = self.cfg.min_sync_every * self._step_s
+        hi = self.cfg.max_sync_every * self._step_s or math.inf
+        proposals = []
         for g in result.peers:
             try:
-                proposals.append(int(g.get("sync_every", 0)))
+                p = float(g.get("period_s", 0.0))
             except (TypeError, ValueError):
                 continue
-        bounded = [min(max(p, self.cfg.min_sync_every), self.cfg.max_sync_every) for p in proposals]
-        self.sync_every = max(bounded)  # every member takes the same: they stay in phase
+            if math.isfinite(p) and p > 0:
+                proposals.append(min(p, MAX_PERIOD_S))  # no member can stall the swarm
+        period = max(proposals, default=self.period_s)
+        if period != self.period_s:
+            self.period_s = period
+            self._next_round_at = _next_slot(time.time(), period)
+        self._proposal_s = _grain(min(max(AUTO_MARGIN * round_s, lo), hi, MAX_PERIOD_S))
+        if self._step_s:  # H, for the status table: local steps a period holds
+            self._proposal = self.sync_every = max(1, round(period / self._step_s))
 
     # --- re-synchronization ----------------------------------------------------------------------
 
@@ -664,3 +698,13 @@ class PeerRuntime:
             _reap(self.dht)
             self.dht = None
         # The watchdog stays: once this process exits it kills whatever helper is left (p2pd).
+
+
+def _grain(seconds: float) -> float:
+    """`seconds` rounded up to a whole number of PERIOD_GRAIN_S (at least one)."""
+    return max(1, math.ceil(seconds / PERIOD_GRAIN_S - 1e-9)) * PERIOD_GRAIN_S
+
+
+def _next_slot(now: float, period: float) -> float:
+    """The first multiple of `period` (unix seconds) after `now`: the same on every peer."""
+    return (math.floor(now / period) + 1) * period
