@@ -52,6 +52,11 @@ COMMANDS: dict[str, list[str] | str] = {
     "atomtrain train --swarm mine --join /ip4/…/p2p/…": "needs a live peer's address",
     "atomtrain status --join /ip4/…/p2p/… --swarm mine": "needs a live peer's address",
     "atomtrain train --swarm mine --swarm-key swarm.key": "test_security: keyed swarms",
+    "atomtrain dashboard --join /ip4/…/p2p/… --swarm mine": "needs a live peer's address",
+    "atomtrain swarm --peers 2 --dashboard 8080": (
+        "test_dashboard: the page in a browser, of `atomtrain swarm --dashboard`"
+    ),
+    "atomtrain train --log.tensorboard=true": "test_train: TensorBoard event files",
     "sudo atomtrain bench wan --json": "needs root and network namespaces",
     "sudo atomtrain bench scaling --json": "test_bench_scaling: the quick run",
     # the transformers section: its commands are tested with tiny models from configs
