@@ -395,47 +395,12 @@ class GuardedAverager(DecentralizedAverager):
         for tensor, original in zip(tensors, self._inputs, strict=True):
             tensor.copy_(original)  # every attempt of a round starts from the round's input
         group_id = group_info.group_id if group_id is None else group_id
-        if self._defence is None:
-            runner = CountedRunner(
-                traffic=self._traffic,
-                p2p=self._p2p,
-                servicer_type=type(self),
-                prefix=self.prefix,
-                tensors=tensors,
-                group_id=group_id,
-                ordered_peer_ids=group_info.peer_ids,
-                **kwargs,
-            )
-            self._running_groups[group_id].set_result(runner)
-            async for tensor, update in azip(as_aiter(*tensors), runner):
-                tensor.add_(update.to(tensor.dtype), alpha=self._averaging_alpha)
-            self.last_updated = get_dht_time()
-            self._state_updated.set()
-            return
-        users: list[dict[str, Any]] = []
-        for blob in group_info.gathered:
-            try:
-                user = self.serializer.loads(self.serializer.loads(blob)[2])
-                users.append(user if isinstance(user, dict) else {})
-            except Exception:  # malformed metadata: the probe check discards the round
-                users.append({})
-        weights = [_number(u.get("weight")) for u in users]
-        reported = [_number(u.get("rms")) for u in users]
-        flags = membership(users)
-        runner = RobustRunner(
-            kinds=self._kinds,
-            weights=dict(
-                zip(
-                    group_info.peer_ids,
-                    capped_weights(weights, self._defence.weight_cap),
-                    strict=True,
-                )
-            ),
-            reported_rms=dict(zip(group_info.peer_ids, reported, strict=True)),
-            banned=set(self._gate.banned),
-            in_sync=dict(zip(group_info.peer_ids, flags, strict=True)),
-            defence=self._defence,
-            on_reject=self._reject,
+        runner_type: type[CountedRunner] = CountedRunner
+        extra: dict[str, Any] = {}
+        if self._defence is not None:
+            runner_type, extra = RobustRunner, self._robust_arguments(group_info)
+        runner = runner_type(
+            **extra,
             traffic=self._traffic,
             p2p=self._p2p,
             servicer_type=type(self),
@@ -450,6 +415,30 @@ class GuardedAverager(DecentralizedAverager):
             tensor.add_(update.to(tensor.dtype), alpha=self._averaging_alpha)
         self.last_updated = get_dht_time()
         self._state_updated.set()
+
+    def _robust_arguments(self, group_info: Any) -> dict[str, Any]:
+        """The robust runner's view of the group, from the metadata its members gathered."""
+        assert self._defence is not None
+        users: list[dict[str, Any]] = []
+        for blob in group_info.gathered:
+            try:
+                user = self.serializer.loads(self.serializer.loads(blob)[2])
+                users.append(user if isinstance(user, dict) else {})
+            except Exception:  # malformed metadata: the probe check discards the round
+                users.append({})
+        ids = group_info.peer_ids
+        weights = capped_weights(
+            [_number(u.get("weight")) for u in users], self._defence.weight_cap
+        )
+        return {
+            "kinds": self._kinds,
+            "weights": dict(zip(ids, weights, strict=True)),
+            "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
+            "banned": set(self._gate.banned),
+            "in_sync": dict(zip(ids, membership(users), strict=True)),
+            "defence": self._defence,
+            "on_reject": self._reject,
+        }
 
 
 def _number(x: Any) -> float:
