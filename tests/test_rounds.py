@@ -271,3 +271,26 @@ def test_an_overlapped_round_trains_on_from_its_share_and_lands_where_the_plain_
     shift_to_own_share(params, pieces, own, mm, lr, mu, share)
     shift_to_own_share(params, pieces, own, mm, lr, mu, share, undo=True)
     torch.testing.assert_close(flatten(params, pieces), before)
+
+
+@pytest.mark.parametrize("fractions", [(0.5, 0.5), (0.25, 0.25, 0.25, 0.25), (0.1, 0.6, 0.3)])
+def test_round_layout_gives_each_member_its_probe_and_its_chunk(fractions):
+    """hivemind's own partitioner, fed the round's layout: member i reduces exactly probe i and
+    chunk i (so a member lost mid-round always leaves its probe unaveraged), and the chunks
+    cover the vector once, in order."""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from atomtrain.peer.averaging import round_layout
+
+    held = torch.arange(1000, dtype=torch.float16)
+    probes = torch.zeros(8)
+    tensors, infos = round_layout(held, probes, fractions)
+    assert len(tensors) == 2 * len(fractions)
+    assert torch.equal(torch.cat(tensors[1::2]), held)
+    container = TensorPartContainer(tensors, fractions, tensor_infos=infos, part_size_bytes=64)
+    for i in range(len(fractions)):
+        parts = list(container._input_parts_by_peer[i])
+        assert parts[0][0].data_ptr() == probes[i : i + 1].data_ptr()  # its probe first
+        assert [info.key for _, info in parts] == [1] + [0] * (len(parts) - 1)
+        chunk = tensors[2 * i + 1]
+        assert sum(p.numel() for p, _ in parts[1:]) == chunk.numel()

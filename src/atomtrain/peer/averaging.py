@@ -6,13 +6,16 @@ parameters now), compressed on the wire (float16 by default, 8-bit or 4-bit as o
 weighted by tokens. The synchronized parameters never travel in a round: members compare
 sketches of them (sync.py) and a member found out of sync downloads the swarm's state instead.
 
-The vector is held as pieces (layout.py), each one averaged tensor followed by a one-element
-*probe*. hivemind splits the concatenated tensors into contiguous spans, one per group member; a
-member that dies mid-round leaves its span unaveraged on the survivors, with only a log line.
-Every member writes its own random probe value and tells the group that value (all-gather);
-after the round every probe must equal the weighted mean of those values. A probe that does not
-lies in a span nobody averaged, and the whole round is discarded rather than applied
-half-averaged.
+The vector is held flat (the model's pieces, layout.py, are views of it). hivemind splits the
+tensors of a round into contiguous spans, one per group member, and sends each tensor part as one
+message; a member that dies mid-round leaves its span unaveraged on the survivors, with only a log
+line. So each round lays the vector out for its group (`round_layout`): one span per member, each
+a one-element *probe* followed by one chunk of the vector, cut where hivemind will cut. Every
+member writes its own random probe value and tells the group that value (all-gather); after the
+round every probe must equal the weighted mean of those values. A probe that does not lies in a
+span nobody averaged, and the whole round is discarded rather than applied half-averaged. A round
+of N members moves 2N tensors however many parameters the model has (a piece each, as before,
+made hivemind handle about 150 messages a round for the small model, most of its averaging CPU).
 
 Memory: the averaged tensors hold the update in float16 (half the float32 model), and a second
 float16 copy keeps this member's own contribution: the runtime needs it to apply the round
@@ -29,19 +32,25 @@ import logging
 import multiprocessing as mp
 import queue
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
 from typing import Any, AsyncIterator  # noqa: UP035
 
+import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import Float16Compression, NoCompression, PerTensorCompression
+from hivemind.compression import (
+    CompressionInfo,
+    Float16Compression,
+    NoCompression,
+    PerTensorCompression,
+)
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import as_aiter, azip
@@ -112,23 +121,19 @@ class ProbedAverager:
         self.pieces = pieces
         self.timeout_s = timeout_s
         wire, dtype, _ = codec(compression)
-        # one shared storage per dtype and role: a shared tensor each would ask torch's shared
-        # memory manager once per piece, slow on a busy machine
         numel = sum(p.numel for p in pieces)
-        held = torch.zeros(numel, dtype=dtype).share_memory_()
-        own = torch.zeros(numel, dtype=dtype).share_memory_()
-        probes = torch.zeros(len(pieces)).share_memory_()
-        self._probe_in = torch.zeros(1).share_memory_()
-        tensors: list[torch.Tensor] = []
-        inputs: list[torch.Tensor] = []
-        codecs: list[Any] = []
-        for i, piece in enumerate(pieces):
-            sl = slice(piece.offset, piece.offset + piece.numel)
-            tensors += [held[sl], probes[i : i + 1]]
-            inputs += [own[sl], self._probe_in]
-            codecs += [wire, NoCompression()]
+        if numel < 2 * target_group_size:
+            raise AtomError(f"a model of {numel} parameters is too small to average")
+        # shared memory, read and written by hivemind's process: the averaged vector and a probe
+        # slot per possible member; this member's contribution and its probe value
+        self._held = torch.zeros(numel, dtype=dtype).share_memory_()
+        self._probes = torch.zeros(target_group_size).share_memory_()
+        self._own = torch.zeros(numel, dtype=dtype).share_memory_()
+        self._probe_in = torch.zeros(target_group_size).share_memory_()
+        tensors = [self._held, self._probes]
+        inputs = [self._own, self._probe_in]
         self._inputs = inputs
-        self.kinds = [PROBE if i % 2 else DELTA for i in range(len(tensors))]
+        self.kinds = [DELTA, PROBE]  # by the round layout's compression keys
         self._events: Any = mp.get_context("fork").Queue()
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
@@ -150,7 +155,7 @@ class ProbedAverager:
             request_timeout=1.0,
             allreduce_timeout=timeout_s,
             next_chunk_timeout=max(timeout_s / 3, 2.0),
-            compression=PerTensorCompression(codecs),
+            compression=PerTensorCompression([wire, NoCompression()]),
             state_compression=NoCompression(),
             allow_state_sharing=True,
             declare_state_period=5.0,
@@ -162,9 +167,7 @@ class ProbedAverager:
 
     def held_bytes(self) -> int:
         """Host bytes this averager holds for the round (averaged tensors and own copy)."""
-        with self.averager.get_tensors() as tensors:
-            held = sum(t.numel() * t.element_size() for t in tensors)
-        return held + sum(t.numel() * t.element_size() for t in self._inputs[::2])  # own copy
+        return sum(t.numel() * t.element_size() for t in (*self._inputs, self._held, self._probes))
 
     # --- a round ------------------------------------------------------------------------------
 
@@ -179,12 +182,11 @@ class ProbedAverager:
         assert self._control is None, "a round is already running"
         self._probe = random.uniform(1.0, 2.0)
         self._probe_in.fill_(self._probe)
-        with self.averager.get_tensors() as tensors:
-            for i, piece in enumerate(self.pieces):
-                own = self._inputs[2 * i]
-                write(piece, own)
-                tensors[2 * i].copy_(own)
-                tensors[2 * i + 1].fill_(self._probe)
+        with self.averager.get_tensors():
+            for piece in self.pieces:
+                write(piece, self._view(self._own, piece))
+            self._held.copy_(self._own)
+            self._probes.fill_(self._probe)
         gather = {**info(), "probe": self._probe, "weight": weight}
         self._control = self.averager.step(
             wait=False, weight=max(weight, 1e-6), timeout=self.timeout_s, gather=gather
@@ -235,8 +237,8 @@ class ProbedAverager:
         if not (total > 0 and all(map(_finite, probes))):
             raise RoundFailed("a group member sent malformed round metadata")
         expected = sum(w * p for w, p in zip(weights, probes, strict=True)) / total
-        with self.averager.get_tensors() as tensors:
-            seen = [float(t) for t in tensors[1::2]]
+        with self.averager.get_tensors():
+            seen = self._probes[: len(peers)].tolist()  # one per member's span (round_layout)
         bad = [p for p in seen if not abs(p - expected) <= 1e-5 * abs(expected)]
         if bad:
             raise RoundFailed(
@@ -255,12 +257,16 @@ class ProbedAverager:
     def averaged(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         """(group average, own contribution) per piece, while no round runs."""
         assert self._control is None
-        with self.averager.get_tensors() as tensors:
-            yield [(tensors[2 * i], self._inputs[2 * i]) for i in range(len(self.pieces))]
+        with self.averager.get_tensors():
+            yield [(self._view(self._held, p), self._view(self._own, p)) for p in self.pieces]
 
     def contributions(self) -> list[torch.Tensor]:
         """This member's contribution to the running (or last) round, per piece."""
-        return self._inputs[::2]
+        return [self._view(self._own, p) for p in self.pieces]
+
+    @staticmethod
+    def _view(flat: torch.Tensor, piece: Piece) -> torch.Tensor:
+        return flat[piece.offset : piece.offset + piece.numel]
 
     def rejections(self) -> list[tuple[str, str]]:
         """(peer, why) for each member the averager rejected since the last call, by name when a
@@ -394,6 +400,8 @@ class GuardedAverager(DecentralizedAverager):
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         for tensor, original in zip(tensors, self._inputs, strict=True):
             tensor.copy_(original)  # every attempt of a round starts from the round's input
+        held, probes = tensors
+        tensors, kwargs["tensor_infos"] = round_layout(held, probes, kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
         runner_type: type[CountedRunner] = CountedRunner
         extra: dict[str, Any] = {}
@@ -439,6 +447,34 @@ class GuardedAverager(DecentralizedAverager):
             "defence": self._defence,
             "on_reject": self._reject,
         }
+
+
+def round_layout(
+    held: torch.Tensor, probes: torch.Tensor, fractions: Sequence[float]
+) -> tuple[list[torch.Tensor], list[CompressionInfo]]:
+    """The round's tensors, views of the held vector and probes: for each member's span, its probe
+    then its chunk, cut at the pivots hivemind's TensorPartContainer computes from the same
+    fractions, so every part of the chunk and the probe in front of it go to that member. Keys
+    pick the compression: 0 the wire codec (vector), 1 none (probes)."""
+    total = held.numel() + len(fractions)
+    pivots = (np.cumsum(fractions) / np.sum(fractions) * total).astype(np.int64)
+    pivots[-1] = total
+    tensors: list[torch.Tensor] = []
+    infos: list[CompressionInfo] = []
+    start = offset = 0
+    for i, end in enumerate(pivots.tolist()):
+        if end - start < 2:  # a member with (almost) nothing to reduce: hivemind gave it none
+            raise AllreduceException(f"member {i}'s span of {end - start} elements is too small")
+        chunk = held[offset : offset + end - start - 1]
+        tensors += [probes[i : i + 1], chunk]
+        infos += [
+            CompressionInfo.from_tensor(probes[i : i + 1], key=1),
+            CompressionInfo.from_tensor(chunk, key=0),
+        ]
+        offset += chunk.numel()
+        start = end
+    assert offset == held.numel()
+    return tensors, infos
 
 
 def _number(x: Any) -> float:
