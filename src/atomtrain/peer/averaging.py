@@ -164,6 +164,7 @@ class ProbedAverager:
         self.defence = defence
         self._probe = 0.0
         self._control: Any = None
+        self._triggered = False
 
     def held_bytes(self) -> int:
         """Host bytes this averager holds for the round (averaged tensors and own copy)."""
@@ -178,18 +179,50 @@ class ProbedAverager:
         info: Callable[[], dict[str, Any]],
     ) -> None:
         """`write(piece, out)` fills `out` with this member's contribution for the piece; then
-        `info()` says what the group is told about it (it may use what `write` measured)."""
+        `info()` says what the group is told about it (it may use what `write` measured); then
+        the round looks for its group."""
         assert self._control is None, "a round is already running"
+        self._write(write)
+        self._control = self._step(weight, info(), scheduled_time=None)
+        self._triggered = True
+
+    def prepare(self, weight: float, info: dict[str, Any], scheduled_time: float) -> None:
+        """Look for a group now for an all-reduce at `scheduled_time` (unix seconds), telling it
+        `info` and `weight` ahead; the contribution is written later, by trigger(). A prepared
+        round that finds no group by then fails (no retries: its slot has passed)."""
+        assert self._control is None, "a round is already running"
+        self._control = self._step(weight, info, scheduled_time=scheduled_time)
+        self._triggered = False
+
+    def trigger(self, write: Callable[[Piece, torch.Tensor], None]) -> None:
+        """Write the prepared round's contribution and let its all-reduce run."""
+        assert self._control is not None and not self._triggered
+        self._write(write)
+        self._triggered = True
+        self._control.allow_allreduce()
+
+    @property
+    def awaiting_trigger(self) -> bool:
+        """A round was prepared and its contribution is not written yet."""
+        return self._control is not None and not self._triggered
+
+    def _write(self, write: Callable[[Piece, torch.Tensor], None]) -> None:
+        # into the round's input; hivemind copies it into the averaged tensors at each attempt
+        for piece in self.pieces:
+            write(piece, self._view(self._own, piece))
+
+    def _step(self, weight: float, info: dict[str, Any], scheduled_time: float | None) -> Any:
         self._probe = random.uniform(1.0, 2.0)
         self._probe_in.fill_(self._probe)
-        with self.averager.get_tensors():
-            for piece in self.pieces:
-                write(piece, self._view(self._own, piece))
-            self._held.copy_(self._own)
-            self._probes.fill_(self._probe)
-        gather = {**info(), "probe": self._probe, "weight": weight}
-        self._control = self.averager.step(
-            wait=False, weight=max(weight, 1e-6), timeout=self.timeout_s, gather=gather
+        gather = {**info, "probe": self._probe, "weight": weight}
+        return self.averager.step(
+            wait=False,
+            weight=max(weight, 1e-6),
+            timeout=self.timeout_s,
+            gather=gather,
+            scheduled_time=scheduled_time,
+            allow_retries=scheduled_time is None,
+            require_trigger=scheduled_time is not None,
         )
 
     @property
@@ -199,10 +232,14 @@ class ProbedAverager:
     def done(self) -> bool:
         return self._control is not None and self._control.done()
 
-    def averaging_began(self) -> bool:
-        """The running round found its group and its all-reduce is under way (or over)."""
+    def group_found(self) -> bool:
+        """The running round found its group (its all-reduce may wait for the trigger)."""
         stage = getattr(self._control, "stage", None)
-        return stage in (AveragingStage.RUNNING_ALLREDUCE, AveragingStage.FINISHED)
+        return stage in (
+            AveragingStage.AWAITING_TRIGGER,
+            AveragingStage.RUNNING_ALLREDUCE,
+            AveragingStage.FINISHED,
+        )
 
     def cancel(self) -> None:
         if self._control is not None:

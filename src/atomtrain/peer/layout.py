@@ -1,10 +1,9 @@
 """How a model's parameters map onto the averaged vector, and fingerprints of that vector.
 
-The pseudo-gradient travels as *pieces*: every parameter is cut into slices of at most
-`max_piece` elements, each slice one averaged tensor followed by a one-element probe. A piece
-belongs to exactly one parameter, so a round reads and writes the model slice by slice, with no
-flat copy of the whole model; and the probes sit at most `max_piece` elements apart, so every
-span a group member reduces holds some (averaging.py).
+The averaged vector is the parameters in name order, read and written as *pieces*: every
+parameter is cut into slices of at most total/pieces_hint elements. A piece belongs to exactly
+one parameter, so a round reads and writes the model slice by slice, with no flat copy of the
+whole model. How the vector travels (one chunk and a probe per group member) is averaging.py's.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ H is `peer.sync_every`, or with `auto`, rounds start on a clock every peer share
 at whole multiples of a period (unix time), the period chosen from the measured round time so a
 round finishes within the next one; members of a round all take the group's largest proposal,
 so every peer looks for its group at the same moment and groups do not split into parts that
-drift apart.
+drift apart. Such a round looks for its group `matchmaking_s` before its slot (telling the group
+the contribution it will have by then) and writes its contribution at the slot, so matchmaking
+is not part of the round's latency: the all-reduce begins as the contribution is written.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import subprocess
 import threading
 import time
@@ -76,6 +79,8 @@ PERIOD_GRAIN_S so peers of about the same speed propose the same."""
 AUTO_MARGIN = 1.25
 """With H auto, the period is this many times the measured round time."""
 PERIOD_GRAIN_S = 0.5
+SLOT_MARGIN_S = 0.25
+"""A round prepared later than this before its slot waits for the next slot instead."""
 """Periods are whole multiples of this: proposals of peers alike are equal."""
 MAX_PERIOD_S = 3600.0
 OWN_SHARE = 0.5
@@ -146,8 +151,10 @@ class PeerRuntime:
         self.last_round_bytes = 0.0
         self.last_matchmaking_s = 0.0
         self.outcomes: deque[bool] = deque(maxlen=20)  # applied or not, of the last rounds
+        self._round_times: deque[float] = deque(maxlen=5)
         self._rates = RateMeter()
-        self._averaging_began = 0.0
+        self._looking_since = 0.0
+        self._group_found_at = 0.0
         self._traffic_at_start = (0.0, 0.0)
         self._final = False
         self._share = 0.0
@@ -415,8 +422,14 @@ class PeerRuntime:
         self._poll(record, wait=self.cfg.sync_mode == "blocking")
         if state.step >= self.total_steps and self.cfg.final_sync:
             self.finisher.final_round(record)
+        elif self._prematched() and self.averager is not None and self.averager.awaiting_trigger:
+            if time.time() >= self.round_slot:
+                self._trigger_round()
         elif self._may_start_round():
-            self._start_round()
+            if self._prematched():
+                self._prepare_round()
+            else:
+                self._start_round()
             if self.cfg.sync_mode == "blocking":  # synchronous DiLoCo: wait for the round
                 self._poll(record, wait=True)
         self._note_rejections(record)
@@ -438,43 +451,97 @@ class PeerRuntime:
                 return False
             self.period_s = self._proposal_s = _grain(FIRST_SYNC_EVERY * self._step_s)
         if not self._next_round_at:
-            self._next_round_at = _next_slot(now, self.period_s)
-        return now >= self._next_round_at
+            self._next_round_at = _next_slot(now + self._lead(), self.period_s)
+        if now + self._lead() < self._next_round_at:
+            return False
+        if self._prematched() and now + SLOT_MARGIN_S > self._next_round_at:
+            # too late to find a group for this slot: the next one
+            self._next_round_at = _next_slot(now + self._lead(), self.period_s)
+            return False
+        return True
 
-    def _start_round(self) -> None:
-        assert self.averager is not None
+    def _prematched(self) -> bool:
+        """Rounds on the shared clock find their group before their slot and write their
+        contribution at it (H auto, overlapped rounds)."""
+        return not self.cfg.fixed_sync_every and self.cfg.sync_mode == "async" and not self._final
+
+    def _lead(self) -> float:
+        """How long before its slot a round looks for its group."""
+        return self.cfg.matchmaking_s if self._prematched() else 0.0
+
+    def _contribution(self, stats: Contribution) -> Any:
+        """write(piece, out): this member's contribution, its statistics gathered in `stats`."""
         params = self.runner.host_parameters()
         theta = self._initial if self._initial is not None else self.theta_sync
-        stats = Contribution()
         attack = self.cfg.attack
         transform = (lambda d: poison(attack, d)) if attack else None
 
         def write(piece, out):
             write_contribution(params, theta, piece, out, self.sketcher, stats, transform)
 
+        return write
+
+    def _round_info(self, stats: Contribution, scale: float = 1.0) -> dict[str, Any]:
+        """What the group is told about this member's contribution (`scale`: of the statistics,
+        for a contribution predicted ahead of its slot)."""
         sketch = self._sketch if self._initial is None else self.sketcher.of(self._initial)
+        return {
+            "name": self.name,
+            "round": self.round,
+            "tokens": self.round_tokens * scale,
+            "rms": stats.rms(self.numel) * scale,
+            "sketch": sketch,
+            "update_size": stats.size() * scale,
+            "sync_every": self._proposal,
+            "period_s": self._proposal_s,
+        }
+
+    def _start_round(self) -> None:
+        """A round that looks for its group now, with the contribution as it stands."""
+        assert self.averager is not None
+        stats = Contribution()
+        self._looking_since, self._group_found_at = time.perf_counter(), 0.0
         self.averager.start(
-            write,
+            self._contribution(stats),
             float(self.round_tokens),
-            lambda: {
-                "name": self.name,
-                "round": self.round,
-                "tokens": self.round_tokens,
-                "rms": stats.rms(self.numel),
-                "sketch": sketch,
-                "update_size": stats.size(),
-                "sync_every": self._proposal,
-                "period_s": self._proposal_s,
-            },
+            lambda: self._round_info(stats),
         )
+        self.round_slot = self._next_round_at
+        self._round_began()
+
+    def _prepare_round(self) -> None:
+        """A round on the shared clock: it looks for its group now, telling it the contribution
+        this member will have at the slot (the statistics of the one it has now, scaled by the
+        tokens it will have processed by then), and writes that contribution at the slot."""
+        assert self.averager is not None
+        stats = Contribution()
+        write = self._contribution(stats)
+        for piece, own in zip(self.pieces, self.averager.contributions(), strict=True):
+            write(piece, own)  # a dry run: the previous round's input is no longer needed
+        tokens_per_step = self.round_tokens / max(self.steps_since_round, 1)
+        steps_left = max(self._next_round_at - time.time(), 0.0) / max(self._step_s, 1e-3)
+        scale = 1.0 + steps_left * tokens_per_step / max(self.round_tokens, 1)
+        self.round_slot = self._next_round_at
+        self.averager.prepare(
+            float(self.round_tokens) * scale, self._round_info(stats, scale), self.round_slot
+        )
+        self._looking_since, self._group_found_at = time.perf_counter(), 0.0
+
+    def _trigger_round(self) -> None:
+        """The slot has come: write the prepared round's contribution; the all-reduce begins."""
+        assert self.averager is not None
+        self.averager.trigger(self._contribution(Contribution()))
+        self._round_began()
+
+    def _round_began(self) -> None:
+        """Bookkeeping of a round whose contribution is written."""
+        assert self.averager is not None
         self._round_started = time.perf_counter()
-        if self.period_s:  # the slot after this one, on the shared clock
-            self.round_slot = self._next_round_at
-            self._next_round_at = _next_slot(time.time(), self.period_s)
-        self._averaging_began = 0.0
         self._traffic_at_start = self.averager.traffic.totals()
         self._round_steps = self.steps_since_round
         self._round_tokens = self.round_tokens
+        if self.period_s:  # the next slot on the shared clock, after this round's
+            self._next_round_at = _next_slot(max(self.round_slot, time.time()), self.period_s)
         if self.cfg.sync_mode == "async" and not self._final:
             self._shift(OWN_SHARE)
 
@@ -502,9 +569,11 @@ class PeerRuntime:
         av = self.averager
         if av is None or not av.running:
             return
+        if wait and av.awaiting_trigger and not av.done():
+            self._trigger_round()  # waiting for it (the run's end): its slot is now
         while True:
-            if not self._averaging_began and av.averaging_began():
-                self._averaging_began = time.perf_counter()  # matchmaking is over
+            if not self._group_found_at and av.group_found():
+                self._group_found_at = time.perf_counter()  # matchmaking is over
             if not wait or av.done():
                 break
             time.sleep(0.01)
@@ -553,8 +622,8 @@ class PeerRuntime:
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
         self.last_round_bytes = (sent - sent0) + (received - received0)
-        began = self._averaging_began or time.perf_counter()
-        self.last_matchmaking_s = began - self._round_started
+        found = self._group_found_at or time.perf_counter()
+        self.last_matchmaking_s = found - self._looking_since
         record["averager_bytes"] = sent + received  # all rounds so far, failed ones too
         record["round_sent_bytes"] = sent - sent0
         record["round_received_bytes"] = received - received0
@@ -590,8 +659,12 @@ class PeerRuntime:
         period = max(proposals, default=self.period_s)
         if period != self.period_s:
             self.period_s = period
-            self._next_round_at = _next_slot(time.time(), period)
-        self._proposal_s = _grain(min(max(AUTO_MARGIN * round_s, lo), hi, MAX_PERIOD_S))
+            self._next_round_at = _next_slot(time.time() + self._lead(), period)
+        self._round_times.append(round_s)
+        typical = statistics.median(self._round_times)  # one slow round does not stretch H
+        # a period holds the round, the step its slot waits for, and the next round's matchmaking
+        need = AUTO_MARGIN * (typical + self._step_s) + self._lead()
+        self._proposal_s = _grain(min(max(need, lo), hi, MAX_PERIOD_S))
         if self._step_s:  # H, for the status table: local steps a period holds
             self._proposal = self.sync_every = max(1, round(period / self._step_s))
 
