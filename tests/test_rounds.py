@@ -165,6 +165,7 @@ def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(
     start_round = max(a.peer.round, b.peer.round)
     steps_until([a, b], lambda: min(a.peer.round, b.peer.round) >= start_round + 1)
     settle([a, b])
+    served, received = a.peer.averager.traffic.totals()[0], b.peer.averager.traffic.totals()[1]
     # b as if it had missed a round: one outer step fewer, its synchronized parameters elsewhere
     with b.peer.lock:
         b.peer.round -= 1
@@ -174,6 +175,13 @@ def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(
     steps_until([a, b], lambda: b.peer._resync is not None or b.peer.round > before + 1)
     assert b.peer._resync is not None, "b did not find itself out of sync"
     steps_until([a, b], lambda: b.peer._resync is None)
+    # the download is counted on both sides: synchronized parameters and momentum, float32 (and
+    # the round that found b out of sync, about 2 bytes a parameter each way)
+    state = 8 * b.peer.numel
+    got = b.peer.averager.traffic.totals()[1] - received
+    sent = a.peer.averager.traffic.totals()[0] - served
+    assert state <= got <= 1.5 * state
+    assert state <= sent <= 1.5 * state
     # from then on b takes part again: the next rounds find both in sync, at the same round
     target = a.peer.round + 2
     steps_until([a, b], lambda: a.peer.round >= target and b.peer.round >= target)

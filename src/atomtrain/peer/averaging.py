@@ -62,7 +62,13 @@ from atomtrain.peer.codecs import Uniform4BitQuantization, Uniform8Bit, register
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, capped_weights
 from atomtrain.peer.sync import in_sync_flags
-from atomtrain.peer.traffic import RECEIVED, SENT, CountedRunner, Traffic
+from atomtrain.peer.traffic import (
+    RECEIVED,
+    SENT,
+    CountedRunner,
+    Traffic,
+    counting_state_stubs,
+)
 
 log = logging.getLogger(__name__)
 register()  # the 4-bit codec, before any averager process starts
@@ -364,6 +370,7 @@ class GuardedAverager(DecentralizedAverager):
         self._provider, self._gate, self._defence = provider, gate, defence
         self._traffic = traffic
         self._kinds, self._events, self._inputs = kinds, events, inputs
+        self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
 
     def get_current_state(self):
@@ -405,6 +412,7 @@ class GuardedAverager(DecentralizedAverager):
         if not await self._gate.allows(self.dht, context.remote_id):
             return  # the caller sees no state and moves on
         async for message in super().rpc_download_state(request, context):
+            self._traffic.add(SENT, message)
             yield message
 
     async def _step(self, *, step, future_for_init):

@@ -1,7 +1,7 @@
 """Bytes a peer's averager actually moved: every all-reduce message it sent or received, counted
 where hivemind sends and receives them (serialized size), in both roles (as a sender of its own
-parts, and as the reducer of its span). Counters live in shared memory, written by the averager's
-process and read by the peer.
+parts, and as the reducer of its span), and the swarm's state it served to or downloaded from
+others. Counters live in shared memory, written by the averager's process and read by the peer.
 
     traffic = Traffic()                   # before the averager process forks
     sent, received = traffic.totals()     # bytes so far
@@ -50,6 +50,31 @@ class _CountedStub:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stub, name)
+
+
+class _CountedStateStub:
+    """A peer's stub whose state download counts what comes in."""
+
+    def __init__(self, stub: Any, traffic: Traffic) -> None:
+        self._stub, self._traffic = stub, traffic
+
+    async def rpc_download_state(self, request: Any) -> AsyncIterator[Any]:
+        stream = await self._stub.rpc_download_state(request)
+        return self._traffic.count(RECEIVED, stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+
+def counting_state_stubs(servicer: Any, traffic: Traffic) -> Any:
+    """A get_stub for one averager instance (hivemind asks it for the stubs it downloads state
+    through): the same stubs, counting the state received."""
+    plain = type(servicer).get_stub
+
+    def get_stub(p2p: Any, peer: Any, *, namespace: str | None = None) -> Any:
+        return _CountedStateStub(plain(p2p, peer, namespace=namespace), traffic)
+
+    return get_stub
 
 
 class CountedRunner(AllReduceRunner):
