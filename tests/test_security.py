@@ -179,8 +179,9 @@ def test_a_poisoned_contribution_never_reaches_the_averaged_parameters(tmp_path:
         for rnd in out["rounds"]:
             if rnd["failed"]:  # a round the attacker spoiled is discarded: nothing applied
                 continue
-            assert rnd["group"] == 2  # only the honest peers
-            assert torch.allclose(rnd["delta"], want_delta, atol=1e-6)
+            # only the honest peers' updates: a round lands with the attacker in its group only
+            # when every reducer dropped its parts (each span's probe sits before its chunk)
+            assert torch.allclose(rnd["delta"], want_delta, atol=1e-6), rnd["group"]
         assert any(not r["failed"] for r in out["rounds"])  # the honest peers went on together
     assert any(out["rejected"] for out in outs.values()), "no honest peer named the attacker"
     # without the defences the poison does arrive (so the test above can fail)
