@@ -2,7 +2,10 @@
 when nothing fits, plans for GPT-3 sizes that fit."""
 
 import itertools
+import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -182,3 +185,18 @@ def test_host_memory_is_checked_with_a_one_line_answer():
     with pytest.raises(AtomError, match=r"host memory: needs 2\.9 TiB .* short"):
         check_host_memory(prof, plan, small)
     check_host_memory(prof, plan, HostSpec(4 * 10**12, device_itemsize=2))  # fits: no error
+
+
+def test_atomtrain_plan_sizes_a_model_without_torch():
+    """The plan command works from shapes and numbers alone: it starts without loading torch
+    (seconds of a 175B plan's time from launch otherwise)."""
+    code = (
+        "import sys; from atomtrain.cli.main import main; "
+        "rc = main(['plan', '--model', 'gpt3-175b', '--device-memory', '80GB', '--json']); "
+        "assert rc == 0 and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["peak_bytes"] <= plan["budget_bytes"] == 80 * 10**9
+    assert plan["parameters"] == GPTConfig.from_name("gpt3-175b").num_parameters()

@@ -23,8 +23,9 @@ from atomtrain.engine.plan import Policy
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.planner.measure import measure_profile
 from atomtrain.planner.partition import plan_dp, predict
-from atomtrain.planner.profile import ModelProfile, measure_profile
+from atomtrain.planner.profile import ModelProfile
 from atomtrain.train.runner import PlainRunner
 
 
