@@ -49,7 +49,9 @@ def submodel_cost(prof: ModelProfile, start: int, end: int, policy: Policy, m: i
     restore = 0.0
     if policy is Policy.KEEP:
         saved, work = m * sum(b.saved_bytes for b in blocks), act_grads
-    elif policy is Policy.OFFLOAD:  # copies made by the compute thread: on the critical path
+    elif policy is Policy.OFFLOAD:
+        # The copy out runs on the copy thread but shares the link (and, on a CPU, the cores)
+        # with the forward; the copy back is waited for by the backward: both counted in full.
         moved = m * sum(b.saved_bytes for b in blocks)
         restore = moved / prof.h2d_bytes_per_s
         fwd += moved / prof.d2h_bytes_per_s
