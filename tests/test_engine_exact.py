@@ -296,10 +296,9 @@ class _CopyThread:
         pass
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["copies-at-once", "copies-when-waited"])
-def test_the_accounted_peak_does_not_depend_on_when_the_copy_thread_runs(eager: bool):
-    """Bytes go back to the budget in program order: the copy thread at its fastest or its
-    slowest gives the peak of a real threaded run (on main it varied with the copy thread's
+def test_the_accounted_peak_does_not_depend_on_when_the_copy_thread_runs():
+    """Bytes go back to the budget in program order: the copy thread at its fastest, at its
+    slowest and as it really runs gives one peak (on main it varied with the copy thread's
     timing, which the budget then had to cover)."""
     plan = ExecutionPlan(
         (
@@ -310,10 +309,10 @@ def test_the_accounted_peak_does_not_depend_on_when_the_copy_thread_runs(eager: 
         )
     )
     peaks, params = [], []
-    for timing in ("threaded", eager):
+    for eager in (None, True, False):
         model = gpt()
         engine = SwapEngine(model, plan, EngineConfig(budget_bytes=BIG), CPU)
-        if timing != "threaded":
+        if eager is not None:
             engine.offloader.shutdown(wait=True)
             engine.offloader = _CopyThread(eager)  # type: ignore[assignment]
         runner = SwapRunner(engine, AdamW(dict(model.named_parameters()), AdamWConfig()), 4, 0.0)
@@ -322,9 +321,10 @@ def test_the_accounted_peak_does_not_depend_on_when_the_copy_thread_runs(eager: 
         runner.close()
         peaks.append(engine.memory.peak)
         params.append(dict(model.named_parameters()))
-    assert peaks[0] == peaks[1], peaks
-    for name, p in params[0].items():  # and the same training
-        assert torch.equal(p, params[1][name]), name
+    assert len(set(peaks)) == 1, peaks
+    for other in params[1:]:  # and the same training
+        for name, p in params[0].items():
+            assert torch.equal(p, other[name]), name
 
 
 def test_budget_exceeded_is_an_atom_error():
