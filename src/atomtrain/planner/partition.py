@@ -79,11 +79,11 @@ def plan_brute_force(
 
 def _best_uniform(
     prof: ModelProfile, budget: int, micro_batches: int, m: int, max_len: int
-) -> float | None:
-    """Predicted step time of the best simple plan that fits, if any: equal sub-models, the
-    first j kept and the rest under one other policy (j as large as fits)."""
+) -> tuple[float, ExecutionPlan] | None:
+    """The best simple plan that fits, if any, and its predicted step time: equal sub-models,
+    the first j kept and the rest under one other policy (j as large as fits)."""
     N = len(prof.blocks)
-    best = None
+    best: tuple[float, ExecutionPlan] | None = None
     for length in range(1, min(N, max_len) + 1):
         cuts = [*range(0, N, length), N]
         spans = list(itertools.pairwise(cuts))
@@ -108,7 +108,8 @@ def _best_uniform(
                 else:
                     hi = mid - 1
             t = predict(prof, plan(lo), micro_batches).step_s
-            best = t if best is None else min(best, t)
+            if best is None or t < best[0]:
+                best = (t, plan(lo))
     return best
 
 
@@ -117,15 +118,14 @@ def plan_dp(
 ) -> ExecutionPlan:
     """The plan with the least predicted step time whose predicted peak fits `budget`, among
     plans whose sub-models have at most `max_len` blocks."""
-    best: tuple[float, ExecutionPlan] | None = None
-    # The best simple plan over every m bounds the search for each m from the start.
-    uniform = [
+    # The best simple plan over every m: the answer unless the search finds a faster one (so a
+    # search whose fronts were merged never does worse), and its bound from the start.
+    simple = [
         _best_uniform(prof, budget, micro_batches, m, max_len) for m in _divisors(micro_batches)
     ]
-    known = min((t for t in uniform if t is not None), default=None)
+    best = min((s for s in simple if s is not None), key=lambda s: s[0], default=None)
     for m in reversed(_divisors(micro_batches)):
-        bound = best[0] if best else known
-        found = plan_for_m(prof, budget, micro_batches, m, max_len, bound)
+        found = plan_for_m(prof, budget, micro_batches, m, max_len, best[0] if best else None)
         if found and (best is None or found[0] < best[0] - 1e-15):
             best = found
     if best is None:
