@@ -1,8 +1,9 @@
 """The swap engine on the cases beyond a plain GPT: frozen parameters, a non-finite step,
-auxiliary outputs, stateful keyword arguments, the planner's tightest budget, and an accounted
-peak that does not depend on thread timing."""
+auxiliary outputs, stateful keyword arguments, the planner's tightest budget, an accounted peak
+that does not depend on thread timing, and copies to the host off the training thread."""
 
 import copy
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -343,6 +344,27 @@ def test_gradient_copies_reuse_a_bounded_pool_and_the_host_gradients():
     runner.close()
     assert engine.grad_pool._made <= engine.grad_pool.count == 2
     assert all(p.grad is grads[n] for n, p in model.named_parameters())  # written in place
+
+
+def test_offloaded_activations_are_copied_off_the_compute_thread(monkeypatch):
+    """The forward goes on while an offloaded activation's copy to host memory runs on the
+    copy thread (on main the training thread made every copy itself)."""
+    copiers: list[str] = []
+    to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        if args[:1] == ("cpu",) and kwargs.get("copy"):  # a copy out to host memory
+            copiers.append(threading.current_thread().name)
+        return to(self, *args, **kwargs)
+
+    model = gpt()
+    engine = SwapEngine(model, MIXED_6, EngineConfig(budget_bytes=BIG), CPU)
+    runner = SwapRunner(engine, AdamW(dict(model.named_parameters()), AdamWConfig()), 4, 1.0)
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    runner.train_step(*batches(1)[0], lr=1e-3)
+    runner.close()
+    monkeypatch.undo()
+    assert copiers and threading.main_thread().name not in copiers, copiers
 
 
 MIXED_6 = ExecutionPlan(
