@@ -158,7 +158,15 @@ def test_bench_swap_prints_its_fields(tmp_path: Path):
         "num_submodels",
         "max_abs_loss_diff",
         "max_rel_grad_diff",
+        "optimizer_s",
+        "overlap_fraction",
+        "optimizer_vs_torch",
     ):
         assert key in out, key
     assert out["peak_device_bytes"] <= out["budget_bytes"]
     assert out["max_rel_grad_diff"] <= 1e-5 and out["num_submodels"] >= 2
+    # The setting: at most 40% of resident training's need, activations off the device.
+    assert out["budget_bytes"] <= 0.4 * out["resident_need_bytes"] + 1
+    assert out["policies"]["offload"] + out["policies"]["recompute"] > 0
+    lo, hi = out["optimizer_vs_torch_range"]
+    assert 0 < lo <= out["optimizer_vs_torch"] <= hi and 0 <= out["overlap_fraction"] <= 1

@@ -14,8 +14,8 @@ from atomtrain.engine.runner import SwapRunner
 from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.planner.measure import measure_profile
 from atomtrain.planner.partition import plan_dp, predict
-from atomtrain.planner.profile import measure_profile
 from atomtrain.train.runner import PlainRunner
 
 CPU = torch.device("cpu")

@@ -11,8 +11,8 @@ from atomtrain.engine.factory import gpu_reserve
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.planner.measure import measure_profile
 from atomtrain.planner.partition import plan_dp
-from atomtrain.planner.profile import measure_profile
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,8 +12,9 @@ from atomtrain.engine.plan import ExecutionPlan, Policy
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.models.hf import hf_from_config
 from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.planner.measure import measure_profile
 from atomtrain.planner.partition import NoPlanFits, plan_dp
-from atomtrain.planner.profile import ModelProfile, measure_profile
+from atomtrain.planner.profile import ModelProfile
 from atomtrain.train.runner import PlainRunner
 
 from .hf_models import VOCAB, tiny_config

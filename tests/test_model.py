@@ -54,6 +54,15 @@ def test_gpt3_presets_have_their_published_size_on_meta(name, billions):
         model = GPT(cfg)
     assert all(p.is_meta for p in model.parameters())
     assert model.num_parameters() / 1e9 == pytest.approx(billions, rel=0.08)
+    assert cfg.num_parameters() == model.num_parameters()  # what `atomtrain plan` counts
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_shape_counts_the_parameters_of_the_model_it_builds(bias: bool):
+    for name in ("tiny", "small", "gpt3-125m"):
+        cfg = GPTConfig.from_name(name, bias=bias)
+        with torch.device("meta"):
+            assert GPT(cfg).num_parameters() == cfg.num_parameters()
 
 
 def test_every_preset_builds_on_meta():

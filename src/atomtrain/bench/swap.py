@@ -23,8 +23,9 @@ from atomtrain.engine.plan import Policy
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.planner.measure import measure_profile
 from atomtrain.planner.partition import plan_dp, predict
-from atomtrain.planner.profile import ModelProfile, measure_profile
+from atomtrain.planner.profile import ModelProfile
 from atomtrain.train.runner import PlainRunner
 
 
@@ -64,9 +65,11 @@ def resident_need(prof: ModelProfile, micro_batches: int) -> int:
     return prof.outer_param_bytes + prof.outer_grad_bytes + prof.outer_saved_bytes + blocks
 
 
-def optimizer_throughput(model: torch.nn.Module, reps: int = 5) -> dict[str, float]:
+def optimizer_throughput(model: torch.nn.Module, reps: int = 9) -> dict[str, float]:
     """Parameters per second of our host AdamW and of torch.optim.AdamW(fused=True) stepping
-    the same tensors (copies of the model's), alternating, median of `reps` each."""
+    the same tensors (copies of the model's), in pairs whose order alternates, median of
+    `reps` each; `vs_torch` is the median of each pair's speed ratio (ours / torch), with its
+    range, so that a load change on a shared machine moves both sides of a pair alike."""
     ours_p = {n: p.detach().clone() for n, p in model.named_parameters()}
     ref_p = [p.detach().clone().requires_grad_() for p in model.parameters()]
     g = torch.Generator().manual_seed(0)
@@ -76,16 +79,22 @@ def optimizer_throughput(model: torch.nn.Module, reps: int = 5) -> dict[str, flo
     ours = AdamW(ours_p, AdamWConfig())
     ref = torch.optim.AdamW(ref_p, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     names = list(ours_p)
+    steps = {"ours": lambda: ours.step(names, 1e-3), "torch": ref.step}
     times: dict[str, list[float]] = {"ours": [], "torch": []}
-    for _ in range(reps + 1):  # the first of each warms up
-        t0 = time.perf_counter()
-        ours.step(names, 1e-3)
-        times["ours"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        ref.step()
-        times["torch"].append(time.perf_counter() - t0)
+    for i in range(reps + 1):  # the first pair warms up
+        for name in ("ours", "torch") if i % 2 else ("torch", "ours"):
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
     n = sum(p.numel() for p in ours_p.values())
-    return {k: n / statistics.median(v[1:]) for k, v in times.items()}
+    ratios = [t / o for o, t in zip(times["ours"][1:], times["torch"][1:], strict=True)]
+    return {
+        "ours": n / statistics.median(times["ours"][1:]),
+        "torch": n / statistics.median(times["torch"][1:]),
+        "vs_torch": statistics.median(ratios),
+        "vs_torch_min": min(ratios),
+        "vs_torch_max": max(ratios),
+    }
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -218,6 +227,8 @@ def run_swap_bench(cfg: SwapBenchConfig) -> dict:
         "overlap_fraction": swap.stats.overlap_fraction,
         "optimizer_params_per_s": opt_speed["ours"],
         "torch_fused_adamw_params_per_s": opt_speed["torch"],
+        "optimizer_vs_torch": opt_speed["vs_torch"],
+        "optimizer_vs_torch_range": [opt_speed["vs_torch_min"], opt_speed["vs_torch_max"]],
         "precision": cfg.precision,
         "micro_batches_per_load": plan.micro_batches_per_load,
         "predicted_step_s": pred.step_s,

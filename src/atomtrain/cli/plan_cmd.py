@@ -1,4 +1,5 @@
-"""`atomtrain plan` (a plan for any preset, on `meta`, from an analytic profile) and
+"""`atomtrain plan` (a plan for any preset from its shape and an analytic profile, without
+torch) and
 `atomtrain profile` (measure a model's blocks on this machine's device)."""
 
 from __future__ import annotations
@@ -7,15 +8,13 @@ import argparse
 import json
 import time
 
-import torch
-
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
         help="partition a model for a device memory budget",
-        description="Plan a model without allocating it: the model is built on "
-        "`meta` and costed from its shape and the device's speed.",
+        description="Plan a model without allocating it: the model is sized and "
+        "costed from its shape and the device's speed.",
     )
     p.add_argument("--model", default="gpt3-13b", help="a model preset")
     p.add_argument("--device-memory", default="24GB", help="device memory budget, e.g. 24GB")
@@ -56,7 +55,7 @@ def _ms(s: float) -> str:
 
 def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.errors import AtomError
-    from atomtrain.models import GPT, GPTConfig
+    from atomtrain.models import GPTConfig
     from atomtrain.planner.host import (
         HostSpec,
         host_memory_line,
@@ -79,8 +78,6 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
         raise AtomError(f"--seq-len {seq} exceeds the model's context {cfg.block_size}")
     check_number(args.tflops, "--tflops", 0.0, lo_open=True)
     check_number(args.h2d_gbps, "--h2d-gbps", 0.0, lo_open=True)
-    with torch.device("meta"):
-        model = GPT(cfg)  # sized, never allocated
     t0 = time.perf_counter()
     prof = analytic_profile(
         cfg,
@@ -121,7 +118,7 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
             json.dumps(
                 {
                     "model": args.model,
-                    "parameters": model.num_parameters(),
+                    "parameters": cfg.num_parameters(),
                     "budget_bytes": budget,
                     "peak_bytes": pred.peak_bytes,
                     "micro_batches_per_load": plan.micro_batches_per_load,
@@ -143,7 +140,7 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.cli.table import render_table
 
     print(
-        f"{args.model}: {model.num_parameters() / 1e9:.2f}B parameters, "
+        f"{args.model}: {cfg.num_parameters() / 1e9:.2f}B parameters, "
         f"{len(prof.blocks)} blocks, {args.rows}x{seq} tokens per micro-batch, "
         f"{args.micro_batches} micro-batches per step"
     )
@@ -183,8 +180,8 @@ def run_profile(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.engine.factory import DTYPES
     from atomtrain.errors import AtomError
     from atomtrain.models import GPT, GPTConfig
+    from atomtrain.planner.measure import cached_profile
     from atomtrain.planner.partition import fmt_bytes
-    from atomtrain.planner.profile import cached_profile
     from atomtrain.train.session import cache_dir, resolve_device
 
     if args.dtype not in DTYPES:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch loads when a sample is drawn, not with every command
+    from torch import nn
 
-from atomtrain.data.tokenizer import Tokenizer
+    from atomtrain.data.tokenizer import Tokenizer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +32,8 @@ def sample_text(
     top_k: int | None,
     seed: int = 0,
 ) -> str:
+    import torch
+
     from atomtrain.models import generate
 
     was_training = model.training

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from atomtrain.config import RunConfig, load_run_config
 from atomtrain.errors import AtomError
 from atomtrain.values import check_port
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the run config imports torch (the optimizer's): not with every command
+    from atomtrain.config import RunConfig
     from atomtrain.train.session import Session
 
 
@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
+    from atomtrain.config import RunConfig, load_run_config
     from atomtrain.train.session import resolve_resume, saved_config
 
     if args.name:

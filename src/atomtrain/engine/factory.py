@@ -14,8 +14,8 @@ from atomtrain.engine.runner import SwapRunner
 from atomtrain.errors import AtomError
 from atomtrain.optim import AdamW, LossScaler
 from atomtrain.planner.host import HostSpec, check_host_memory, machine_memory_bytes
+from atomtrain.planner.measure import cached_profile
 from atomtrain.planner.partition import parse_bytes, plan_dp, predict
-from atomtrain.planner.profile import cached_profile
 
 log = logging.getLogger(__name__)
 
