@@ -27,7 +27,8 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,13 +99,19 @@ class BlockCompiler:
         return sum(1 for k in self._kinds.values() if k.compiled and k.fn is not None)
 
     def call(
-        self, block: nn.Module, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict, name: str
+        self,
+        block: nn.Module,
+        tensors: dict[str, torch.Tensor],
+        args: tuple,
+        kwargs: dict,
+        name: str,
     ) -> Any:
         key = block_kind(block, tensors, args, kwargs)
         kind = self._kinds.get(key)
         if kind is None:
-            mode = ("train" if block.training else "eval", "grad" if torch.is_grad_enabled() else "no_grad")
-            label = f"{type(block).__name__}#{len(self._kinds)} ({', '.join(mode)})"
+            mode = "train" if block.training else "eval"
+            grad = "grad" if torch.is_grad_enabled() else "no_grad"
+            label = f"{type(block).__name__}#{len(self._kinds)} ({mode}, {grad})"
             kind = self._kinds[key] = _Kind(label, self._compile(block, label))
         if kind.fn is None:
             return eager_call(block, tensors, args, kwargs, name)
@@ -127,7 +134,7 @@ class BlockCompiler:
             # The backward compiled now, not at the first backward: a failure shows here.
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 out = kind.fn(tensors, args, kwargs)
-        except Exception as e:  # noqa: BLE001 - any failure to compile means eager, not a crash
+        except Exception as e:  # any failure to compile means eager, not a crash
             kind.fn = None
             self.failed.append(kind.label)
             reason = " ".join(str(e).split())[:200] or type(e).__name__
@@ -201,3 +208,33 @@ def _value_key(v: Any) -> Any:
     # Anything else (a config object, a cache) by identity: blocks share a kind only when they
     # share the object itself.
     return ("object", id(v))
+
+
+# ----- a whole model's blocks, for runners without the engine ----------------------------------
+
+
+class _CompiledBlock(nn.Module):
+    """Stands in for a block: runs it through the compiler with its own tensors."""
+
+    def __init__(self, block: nn.Module, compiler: BlockCompiler, name: str) -> None:
+        super().__init__()
+        self._target = [block]  # a plain list: not a submodule, names stay unchanged
+        self._compiler = compiler
+        self._name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        block = self._target[0]
+        tensors: dict[str, torch.Tensor] = dict(block.named_parameters())
+        tensors.update(block.named_buffers())
+        return self._compiler.call(block, tensors, args, kwargs, self._name)
+
+
+@contextmanager
+def compiled_blocks(model: nn.Module, compiler: BlockCompiler, blocks: str = "") -> Iterator[None]:
+    """Within the block, `model`'s forward runs its blocks through `compiler` (the model is
+    restored on exit): how the plain runner compiles."""
+    from atomtrain.engine.layout import find_blocks
+
+    layout = find_blocks(model, blocks or None)
+    with layout.replaced(lambda i: _CompiledBlock(layout.block(i), compiler, f"block {i}")):
+        yield
