@@ -9,19 +9,28 @@ itself is measured by `atomtrain bench compile`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+import os
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
-from atomtrain.engine.compiled import BlockCompiler, CompileConfig
+from atomtrain.cli.main import main
+from atomtrain.config import EngineSection, RunConfig
+from atomtrain.engine.compiled import BlockCompiler, CompileConfig, compiled_blocks
 from atomtrain.engine.engine import EngineConfig, SwapEngine
+from atomtrain.engine.factory import swap_runner
 from atomtrain.engine.plan import ExecutionPlan, Policy, SubModel
 from atomtrain.engine.runner import SwapRunner
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.planner.profile import measure_profile
+from atomtrain.train.runner import PlainRunner
+from atomtrain.train.session import plain_runner
 
 CPU = torch.device("cpu")
 TEST_COMPILE = CompileConfig(backend="aot_eager")
@@ -58,11 +67,10 @@ def runner(model: GPT, plan: ExecutionPlan, compile: CompileConfig | None) -> Sw
     return SwapRunner(engine, AdamW(dict(model.named_parameters()), AdamWConfig()), 2, 1.0)
 
 
-@pytest.mark.parametrize("m", [1, 2], ids=["1-per-load", "2-per-load"])
-def test_compiled_engine_matches_eager_with_every_policy(m: int):
+def test_compiled_engine_matches_eager_with_every_policy():
     eager_model = gpt()
     compiled_model = copy.deepcopy(eager_model)
-    plan = ExecutionPlan(MIXED, m)
+    plan = ExecutionPlan(MIXED, 2)  # two micro-batches per load
     eager, compiled = runner(eager_model, plan, None), runner(compiled_model, plan, TEST_COMPILE)
     hook_calls: list[str] = []
     compiled.engine.boundary_hook = lambda where, evict: hook_calls.append(where)
@@ -98,7 +106,7 @@ def test_compilations_do_not_multiply_with_depth():
         model = gpt(n_layer)
         plan = ExecutionPlan.even(n_layer, 2, Policy.KEEP)
         r = runner(model, plan, TEST_COMPILE)
-        for x, y in batches(2):
+        for x, y in batches(1):
             r.train_step(x, y, lr=1e-2)
         assert r.engine.compiler is not None
         counts.append(dict(r.engine.compiler.compiles))
@@ -132,3 +140,68 @@ def test_a_block_that_cannot_compile_runs_eagerly_with_one_warning(caplog):
     expected = block(x)
     for out in outs:
         torch.testing.assert_close(out, expected)
+
+
+def test_plain_runner_and_profiler_run_compiled_blocks():
+    eager_model = gpt(2)
+    compiled_model = copy.deepcopy(eager_model)
+    compiler = BlockCompiler(TEST_COMPILE)
+    eager = PlainRunner(
+        eager_model, AdamW(dict(eager_model.named_parameters()), AdamWConfig()), 4, 1.0, CPU
+    )
+    compiled = PlainRunner(
+        compiled_model,
+        AdamW(dict(compiled_model.named_parameters()), AdamWConfig()),
+        4,
+        1.0,
+        CPU,
+        partial(compiled_blocks, compiled_model, compiler),
+    )
+    for x, y in batches(2):
+        assert eager.train_step(x, y, 1e-2)["loss"] == pytest.approx(
+            compiled.train_step(x, y, 1e-2)["loss"], rel=1e-5
+        )
+    for name, p in eager_model.named_parameters():
+        assert rel_diff(p.detach(), compiled_model.get_parameter(name).detach()) <= 1e-4, name
+    assert dict(compiler.compiles) == {"Block#0 (train, grad)": 1}
+    assert isinstance(compiled_model.blocks[0], type(eager_model.blocks[0]))  # restored
+
+    profiler = BlockCompiler(TEST_COMPILE)
+    prof = measure_profile(gpt(2), 2, 16, CPU, reps=1, block_call=profiler.call)
+    assert prof.notes["blocks"] == "compiled"
+    assert set(profiler.compiles) == {"Block#0 (train, no_grad)", "Block#1 (train, grad)"}
+
+
+def test_run_settings_turn_compiling_on_for_either_runner(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATOM_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    engine = EngineSection(
+        device_memory="1GB", submodels=2, compile=True, compile_backend="aot_eager"
+    )
+    cfg = RunConfig(engine=engine)
+    model = gpt(2)
+    swap = swap_runner(model, AdamW(dict(model.named_parameters()), AdamWConfig()), cfg, CPU)
+    assert swap.engine.compiler is not None
+    assert swap.engine.compiler.cfg == CompileConfig("aot_eager", str(tmp_path / "inductor"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    swap.close()
+    plain = plain_runner(model, AdamW(dict(model.named_parameters()), AdamWConfig()), cfg, CPU)
+    assert isinstance(plain, PlainRunner) and plain.forward_context is not contextlib.nullcontext
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["train", "--engine.compile=maybe"], "engine.compile expects true or false"),
+        (["train", "--engine.compile_backend=tvm"], "engine.compile_backend must be one of"),
+        (["bench", "compile", "--rows", "0"], "--rows"),
+    ],
+)
+def test_bad_compile_settings_are_one_line_errors(args, fragment, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("atomtrain: error: ")]
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert not (tmp_path / "runs").exists()

@@ -6,6 +6,11 @@ noisy machine slows both alike; throughput is measured after one warm-up step ea
 engine's first step is where it compiles, reported apart as `compile_s`). The compile starts from an
 empty cache directory made for the run; `compile_s_cached` is the same first compile in a fresh
 process on that directory, as a restarted peer pays it. Gradients are compared on the first batch.
+
+Where the time goes: a few more steps of each under the profiler, their CPU time split into
+matrix products and attention (library kernels, which compiled code calls just as eager code
+does), Inductor's generated kernels, and everything else. `speedup_ceiling` is the most compiling
+could give if it made everything but those library kernels free.
 """
 
 from __future__ import annotations
@@ -111,6 +116,31 @@ def _grad_diff(eager: SwapRunner, compiled: SwapRunner, x: torch.Tensor, y: torc
     return worst
 
 
+LIBRARY_KERNELS = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::"),
+    "attention": ("scaled_dot_product",),
+}
+
+
+def cpu_ms_by_kind(runner: SwapRunner, batches: list) -> dict[str, float]:
+    """CPU milliseconds per step (all threads), by kind of work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x, y in batches:
+            runner.train_step(x, y, 1e-3)
+        runner.sync()
+    ms = dict.fromkeys([*LIBRARY_KERNELS, "generated_kernels", "other"], 0.0)
+    for event in prof.key_averages():
+        kind = next(
+            (k for k, names in LIBRARY_KERNELS.items() if any(n in event.key for n in names)),
+            "generated_kernels" if "CompiledFxGraph" in event.key else "other",
+        )
+        ms[kind] += event.self_cpu_time_total / 1e3 / len(batches)
+    ms["total"] = sum(ms.values())
+    return ms
+
+
 def run_compile_bench(cfg: CompileBenchConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="atom-bench-compile-") as cache:
         previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -156,6 +186,8 @@ def _run(cfg: CompileBenchConfig, cache: str) -> dict:
     for _ in range(cfg.rounds):
         run("eager", cfg.steps_per_round)
         run("compiled", cfg.steps_per_round)
+    profile_batches = batches[-1:] * cfg.steps_per_round
+    cpu_ms = {k: cpu_ms_by_kind(r, profile_batches) for k, r in runners.items()}
     for r in runners.values():
         r.close()
     spawn = multiprocessing.get_context("spawn")
@@ -174,6 +206,9 @@ def _run(cfg: CompileBenchConfig, cache: str) -> dict:
         "compilations": dict(compiler.compiles),
         "fell_back_to_eager": list(compiler.failed),
         "step_s": {k: sorted(v) for k, v in times.items()},
+        "cpu_ms_per_step": cpu_ms,
+        "speedup_ceiling": cpu_ms["eager"]["total"]
+        / (cpu_ms["eager"]["matmul"] + cpu_ms["eager"]["attention"]),
         "plan": plan.describe(),
         "policies": {p.value: sum(1 for s in plan.submodels if s.policy is p) for p in Policy},
         "budget_bytes": budget,

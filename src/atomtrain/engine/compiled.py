@@ -224,7 +224,9 @@ class _CompiledBlock(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         block = self._target[0]
-        tensors: dict[str, torch.Tensor] = dict(block.named_parameters())
+        # Views, not the Parameters themselves: Dynamo guards on a Parameter's identity, so
+        # each block's own would compile again. Gradients still reach the Parameters.
+        tensors = {n: p.view_as(p) for n, p in block.named_parameters()}
         tensors.update(block.named_buffers())
         return self._compiler.call(block, tensors, args, kwargs, self._name)
 
