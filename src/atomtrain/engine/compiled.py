@@ -85,6 +85,7 @@ class BlockCompiler:
             # by the user wins.
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cfg.cache_dir)))
         self._kinds: dict[tuple, _Kind] = {}
+        self._structures: dict[tuple[nn.Module, bool], tuple] = {}
         self.compiles: Counter[str] = Counter()
         """Graphs the backend compiled, per kind label (1 each when nothing recompiles)."""
         self.compile_s = 0.0
@@ -106,7 +107,10 @@ class BlockCompiler:
         kwargs: dict,
         name: str,
     ) -> Any:
-        key = block_kind(block, tensors, args, kwargs)
+        structure = self._structures.get((block, block.training))
+        if structure is None:  # walked once per block and mode, not on every call
+            structure = self._structures[(block, block.training)] = module_structure(block)
+        key = block_kind(block, tensors, args, kwargs, structure)
         kind = self._kinds.get(key)
         if kind is None:
             mode = "train" if block.training else "eval"
@@ -131,9 +135,7 @@ class BlockCompiler:
         assert kind.fn is not None
         t0 = time.perf_counter()
         try:
-            # The backward compiled now, not at the first backward: a failure shows here.
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                out = kind.fn(tensors, args, kwargs)
+            out = kind.fn(tensors, args, kwargs)
         except Exception as e:  # any failure to compile means eager, not a crash
             kind.fn = None
             self.failed.append(kind.label)
@@ -156,7 +158,15 @@ class BlockCompiler:
 
         def counted(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
             self.compiles[label] += 1
-            return backend(gm, example_inputs)
+            with (
+                # The backward compiled now, not at the first backward: a failure shows at
+                # the first call, where the block can still fall back to eager.
+                torch._functorch.config.patch(force_non_lazy_backward_lowering=True),
+                # Random numbers (dropout) drawn as eager draws them: a recomputing sub-model's
+                # no_grad forward and its recompute are two graphs that must draw one mask.
+                torch._inductor.config.patch(fallback_random=True),
+            ):
+                return backend(gm, example_inputs)
 
         return torch.compile(run, backend=counted, fullgraph=True, dynamic=False)
 
@@ -165,12 +175,17 @@ class BlockCompiler:
 
 
 def block_kind(
-    block: nn.Module, tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict
+    block: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    args: tuple,
+    kwargs: dict,
+    structure: tuple | None = None,
 ) -> tuple:
-    """A key equal for two calls exactly when one compiled function serves both."""
+    """A key equal for two calls exactly when one compiled function serves both
+    (`structure`: the block's `module_structure`, when the caller keeps it)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     return (
-        _structure(block),
+        structure if structure is not None else module_structure(block),
         tuple((n, _tensor_key(t)) for n, t in tensors.items()),
         str(spec),
         tuple(_value_key(v) for v in leaves),
@@ -182,7 +197,8 @@ def block_kind(
     )
 
 
-def _structure(block: nn.Module) -> tuple:
+def module_structure(block: nn.Module) -> tuple:
+    """Module types and plain attributes, the whole tree."""
     return tuple(
         (name, type(m), tuple(sorted((k, _value_key(v)) for k, v in _plain_attrs(m))))
         for name, m in block.named_modules()
