@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from atomtrain.bench.compile import cpu_ms_by_kind
 from atomtrain.cli.main import main
 from atomtrain.config import EngineSection, RunConfig
 from atomtrain.engine.compiled import BlockCompiler, CompileConfig, compiled_blocks
@@ -211,3 +212,13 @@ def test_bad_compile_settings_are_one_line_errors(args, fragment, capsys, monkey
     lines = [line for line in err.splitlines() if line.startswith("atomtrain: error: ")]
     assert len(lines) == 1 and fragment in lines[0], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_bench_splits_cpu_time_by_kind_of_work():
+    model = gpt(2)
+    r = runner(model, ExecutionPlan.even(2, 2, Policy.KEEP), None)
+    ms = cpu_ms_by_kind(r, batches(1))
+    r.close()
+    assert set(ms) == {"matmul", "attention", "generated_kernels", "other", "total"}
+    assert ms["matmul"] > 0 and ms["attention"] > 0 and ms["generated_kernels"] == 0
+    assert ms["total"] == pytest.approx(sum(v for k, v in ms.items() if k != "total"))
