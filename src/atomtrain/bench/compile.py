@@ -10,7 +10,8 @@ process on that directory, as a restarted peer pays it. Gradients are compared o
 Where the time goes: a few more steps of each under the profiler, their CPU time split into
 matrix products and attention (library kernels, which compiled code calls just as eager code
 does), Inductor's generated kernels, and everything else. `speedup_ceiling` is the most compiling
-could give if it made everything but those library kernels free.
+could give if it made everything but those library kernels free; `block_speedup` is one block's
+forward and backward alone, eager against compiled.
 """
 
 from __future__ import annotations
@@ -141,6 +142,27 @@ def cpu_ms_by_kind(runner: SwapRunner, batches: list) -> dict[str, float]:
     return ms
 
 
+def block_ms(model: GPT, cfg: CompileBenchConfig, seq_len: int, cache: str) -> dict[str, float]:
+    """Forward and backward of the first block alone, eager and compiled (its own compiler:
+    loaded from the run's cache), interleaved: what compiling does to the part it touches."""
+    from atomtrain.engine.compiled import BlockCompiler, eager_call
+
+    block = model.blocks[0]
+    compiler = BlockCompiler(CompileConfig(cfg.backend, cache))
+    tensors = {n: p.detach().clone().requires_grad_() for n, p in block.named_parameters()}
+    x = torch.randn(cfg.rows, seq_len, model.config.n_embd, requires_grad=True)
+    g = torch.randn_like(x)
+    calls = {"eager": eager_call, "compiled": compiler.call}
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for rep in range(4 * cfg.rounds + 1):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call(block, tensors, (x,), {}, "block 0").backward(g)
+            if rep:  # the first compiles (or loads)
+                times[name].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
 def run_compile_bench(cfg: CompileBenchConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="atom-bench-compile-") as cache:
         previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -190,6 +212,7 @@ def _run(cfg: CompileBenchConfig, cache: str) -> dict:
     cpu_ms = {k: cpu_ms_by_kind(r, profile_batches) for k, r in runners.items()}
     for r in runners.values():
         r.close()
+    one_block = block_ms(model, cfg, seq_len, cache)
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(1, mp_context=spawn) as pool:
         cached = pool.submit(first_compile_s, cfg, plan, budget, cache).result()
@@ -207,6 +230,8 @@ def _run(cfg: CompileBenchConfig, cache: str) -> dict:
         "fell_back_to_eager": list(compiler.failed),
         "step_s": {k: sorted(v) for k, v in times.items()},
         "cpu_ms_per_step": cpu_ms,
+        "block_fwd_bwd_ms": one_block,
+        "block_speedup": one_block["eager"] / one_block["compiled"],
         "speedup_ceiling": cpu_ms["eager"]["total"]
         / (cpu_ms["eager"]["matmul"] + cpu_ms["eager"]["attention"]),
         "plan": plan.describe(),
