@@ -222,3 +222,21 @@ def test_bench_splits_cpu_time_by_kind_of_work():
     assert set(ms) == {"matmul", "attention", "generated_kernels", "other", "total"}
     assert ms["matmul"] > 0 and ms["attention"] > 0 and ms["generated_kernels"] == 0
     assert ms["total"] == pytest.approx(sum(v for k, v in ms.items() if k != "total"))
+
+
+def test_a_missing_cxx_compiler_means_eager_with_one_warning(caplog, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached to load
+    block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    tensors = {n: p.detach().clone().requires_grad_() for n, p in block.named_parameters()}
+    x = torch.randn(3, 8)
+    compiler = BlockCompiler(CompileConfig("inductor"))
+    with (
+        caplog.at_level(logging.WARNING, logger="atomtrain.engine.compiled"),
+        torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/g++",)}),
+    ):
+        outs = [compiler.call(block, tensors, (x,), {}, "block 2") for _ in range(2)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "block 2" in warnings[0], warnings
+    assert compiler.failed and compiler.distinct_blocks == 0
+    for out in outs:
+        torch.testing.assert_close(out, block(x))

@@ -38,6 +38,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 
+from atomtrain.errors import AtomError
+
 log = logging.getLogger(__name__)
 
 BlockCall = Callable[[nn.Module, dict[str, torch.Tensor], tuple, dict, str], Any]
@@ -119,34 +121,39 @@ class BlockCompiler:
             kind = self._kinds[key] = _Kind(label, self._compile(block, label))
         if kind.fn is None:
             return eager_call(block, tensors, args, kwargs, name)
-        if kind.compiled:
-            return kind.fn(tensors, args, kwargs)
-        return self._first_call(kind, block, tensors, args, kwargs, name)
+        t0 = time.perf_counter()
+        try:
+            out = kind.fn(tensors, args, kwargs)
+        except (AtomError, torch.OutOfMemoryError):
+            raise  # the engine's own errors and memory are not about compiling
+        except Exception as e:
+            # A first call compiles; later ones only when a guard fails (Dynamo's own errors).
+            if kind.compiled and not isinstance(e, torch._dynamo.exc.TorchDynamoException):
+                raise
+            return self._fall_back(kind, e, block, tensors, args, kwargs, name)
+        if not kind.compiled:
+            kind.compiled = True
+            dt = time.perf_counter() - t0
+            self.compile_s += dt
+            log.info("compiled %s for %s in %.1fs", kind.label, name, dt)
+        return out
 
-    def _first_call(
+    def _fall_back(
         self,
         kind: _Kind,
+        error: Exception,
         block: nn.Module,
         tensors: dict[str, torch.Tensor],
         args: tuple,
         kwargs: dict,
         name: str,
     ) -> Any:
-        assert kind.fn is not None
-        t0 = time.perf_counter()
-        try:
-            out = kind.fn(tensors, args, kwargs)
-        except Exception as e:  # any failure to compile means eager, not a crash
-            kind.fn = None
-            self.failed.append(kind.label)
-            reason = " ".join(str(e).split())[:200] or type(e).__name__
-            log.warning("%s (%s) runs eagerly: compiling failed: %s", name, kind.label, reason)
-            return eager_call(block, tensors, args, kwargs, name)
-        kind.compiled = True
-        dt = time.perf_counter() - t0
-        self.compile_s += dt
-        log.info("compiled %s (%s) in %.1fs", kind.label, name, dt)
-        return out
+        """Eager from now on for this kind, after one warning naming the block."""
+        kind.fn = None
+        self.failed.append(kind.label)
+        reason = " ".join(str(error).split())[:200] or type(error).__name__
+        log.warning("%s (%s) runs eagerly: compiling failed: %s", name, kind.label, reason)
+        return eager_call(block, tensors, args, kwargs, name)
 
     def _compile(self, template: nn.Module, label: str) -> Callable[..., Any]:
         def run(tensors: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
