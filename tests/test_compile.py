@@ -78,7 +78,13 @@ def test_compiled_engine_matches_eager_with_every_policy():
     plan = ExecutionPlan(MIXED, 2)  # two micro-batches per load
     eager, compiled = runner(eager_model, plan, None), runner(compiled_model, plan, TEST_COMPILE)
     hook_calls: list[str] = []
-    compiled.engine.boundary_hook = lambda where, evict: hook_calls.append(where)
+
+    def preempt(where: str, evict) -> None:  # as the device scheduler does for a request
+        hook_calls.append(where)
+        if where in ("forward 2", "backward 1"):
+            evict()
+
+    compiled.engine.boundary_hook = preempt
     for step, (x, y) in enumerate(batches(3)):
         torch.manual_seed(step)  # dropout masks drawn alike
         a = eager.train_step(x, y, lr=1e-2)

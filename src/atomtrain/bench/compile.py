@@ -190,21 +190,24 @@ def _run(cfg: CompileBenchConfig, cache: str) -> dict:
     assert compiler is not None
     compile_s = compiler.compile_s
     times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    cpu: dict[str, list[float]] = {"eager": [], "compiled": []}
     cursor = {"eager": 1, "compiled": 1}
 
     def run(name: str, n: int) -> None:
         r = runners[name]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n):
             x, y = batches[cursor[name]]
             r.train_step(x, y, 1e-3)
             cursor[name] += 1
         r.sync()
         times[name].append((time.perf_counter() - t0) / n)
+        cpu[name].append((time.process_time() - c0) / n)
 
     run("eager", 1)  # warm-up, not counted
     run("compiled", 1)
     times = {"eager": [], "compiled": []}
+    cpu = {"eager": [], "compiled": []}
     for _ in range(cfg.rounds):
         run("eager", cfg.steps_per_round)
         run("compiled", cfg.steps_per_round)
@@ -229,6 +232,10 @@ def _run(cfg: CompileBenchConfig, cache: str) -> dict:
         "compilations": dict(compiler.compiles),
         "fell_back_to_eager": list(compiler.failed),
         "step_s": {k: sorted(v) for k, v in times.items()},
+        # CPU seconds of this process per step (all threads): on a machine shared with other
+        # work, wall time also measures how much of the CPU the others left
+        "step_cpu_s": {k: sorted(v) for k, v in cpu.items()},
+        "cpu_time_speedup": statistics.median(cpu["eager"]) / statistics.median(cpu["compiled"]),
         "cpu_ms_per_step": cpu_ms,
         "block_fwd_bwd_ms": one_block,
         "block_speedup": one_block["eager"] / one_block["compiled"],
