@@ -48,8 +48,10 @@ class CompileBenchConfig:
     """Tokens per row (0: the preset's block size)."""
     rows: int = 16
     """Sequences per micro-batch."""
-    rounds: int = 5
-    steps_per_round: int = 3
+    rounds: int = 20
+    """Rounds of eager then compiled steps: many short ones, so that each pair sees the same
+    load on a shared machine."""
+    steps_per_round: int = 2
     budget_fraction: float = 0.4
     """Budget as a share of what resident training needs (as in `bench swap`): several
     sub-models, with the activation policies the planner picks for it."""
@@ -104,6 +106,10 @@ def first_compile_s(cfg: CompileBenchConfig, plan: ExecutionPlan, budget: int, c
     return runner.engine.compiler.compile_s
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    return statistics.quantiles(values, n=4) if len(values) > 1 else list(values)
+
+
 def _grad_diff(eager: SwapRunner, compiled: SwapRunner, x: torch.Tensor, y: torch.Tensor) -> float:
     worst = 0.0
     for r in (eager, compiled):
@@ -154,7 +160,7 @@ def block_ms(model: GPT, cfg: CompileBenchConfig, seq_len: int, cache: str) -> d
     g = torch.randn_like(x)
     calls = {"eager": eager_call, "compiled": compiler.call}
     times: dict[str, list[float]] = {k: [] for k in calls}
-    for rep in range(4 * cfg.rounds + 1):
+    for rep in range(2 * cfg.rounds + 1):
         for name, call in calls.items():
             t0 = time.perf_counter()
             call(block, tensors, (x,), {}, "block 0").backward(g)
@@ -221,20 +227,23 @@ def _run(cfg: CompileBenchConfig, cache: str) -> dict:
         cached = pool.submit(first_compile_s, cfg, plan, budget, cache).result()
     tokens_per_step = cfg.rows * seq_len
     eager_s, compiled_s = (statistics.median(times[k]) for k in ("eager", "compiled"))
+    paired = sorted(a / b for a, b in zip(times["eager"], times["compiled"], strict=True))
     return {
         "eager_tokens_per_s": tokens_per_step / eager_s,
         "compiled_tokens_per_s": tokens_per_step / compiled_s,
         "speedup": eager_s / compiled_s,
+        # the same ratio round by round (each round's eager steps over its compiled ones)
+        "speedup_per_round_quartiles": _quartiles(paired),
         "compile_s": compile_s,
         "compile_s_cached": cached,
         "max_rel_grad_diff": rel,
         "distinct_blocks_compiled": compiler.distinct_blocks,
         "compilations": dict(compiler.compiles),
         "fell_back_to_eager": list(compiler.failed),
-        "step_s": {k: sorted(v) for k, v in times.items()},
+        "step_s_quartiles": {k: _quartiles(v) for k, v in times.items()},
         # CPU seconds of this process per step (all threads): on a machine shared with other
         # work, wall time also measures how much of the CPU the others left
-        "step_cpu_s": {k: sorted(v) for k, v in cpu.items()},
+        "step_cpu_s_quartiles": {k: _quartiles(v) for k, v in cpu.items()},
         "cpu_time_speedup": statistics.median(cpu["eager"]) / statistics.median(cpu["compiled"]),
         "cpu_ms_per_step": cpu_ms,
         "block_fwd_bwd_ms": one_block,
