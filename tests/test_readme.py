@@ -43,6 +43,13 @@ COMMANDS: dict[str, list[str] | str] = {
     "atomtrain train --input-rate 20000": FEW_STEPS,
     "atomtrain train --device-memory 64MB --serve 8000": "test_sched: serving beside training",
     "atomtrain bench swap --json": "test_cli: bench swap",
+    "atomtrain train --device-memory 512MB --engine.compile=true": (
+        "test_compile: run settings, engine and plain runner with compiled blocks (aot_eager: "
+        "Inductor builds C++ for a minute or more)"
+    ),
+    "atomtrain bench compile --json": (
+        "test_compile: its parts and its bad input (Inductor compiles for a minute or more)"
+    ),
     "atomtrain bench churn --json": "test_peer: the churn scenario",
     "atomtrain bench attack --json": "test_security: the attack benchmark",
     "atomtrain bench preempt --json": "test_sched: preemption",

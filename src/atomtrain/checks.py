@@ -111,8 +111,12 @@ def _check_train(cfg: RunConfig) -> None:
         raise AtomError("optim.beta1 and optim.beta2 must be below 1")
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+
 def _check_engine(cfg: RunConfig) -> None:
     e = cfg.engine
+    check_choice(e.compile_backend, "engine.compile_backend", COMPILE_BACKENDS)
     if not e.device_memory:
         return
     from atomtrain.engine.factory import check_engine_section

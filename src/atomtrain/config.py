@@ -107,6 +107,11 @@ class EngineSection:
     """Activation policy when `submodels` is forced: keep, offload or recompute."""
     max_blocks_per_submodel: int = 8
     """Longest sub-model the planner considers."""
+    compile: bool = False
+    """Compile each distinct block once with `torch.compile` and run every block of its kind
+    through it (swap engine and plain runner alike); the profiler then times compiled blocks."""
+    compile_backend: str = "inductor"
+    """`torch.compile` backend when compiling: inductor, or aot_eager (no code generation)."""
 
 
 @dataclass(frozen=True)

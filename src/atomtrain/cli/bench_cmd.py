@@ -32,6 +32,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.set_defaults(func=run_swap)
 
+    k = bsub.add_parser("compile", help="the engine with compiled blocks against eager ones")
+    k.add_argument("--json", action="store_true", help="print only the JSON result")
+    k.add_argument("--preset", default="small")
+    k.add_argument("--seq-len", type=int, default=0, help="tokens per row (0: the preset's)")
+    k.add_argument("--rows", type=int, default=16)
+    k.add_argument("--rounds", type=int, default=20)
+    k.add_argument("--steps-per-round", type=int, default=2)
+    k.add_argument("--budget-fraction", type=float, default=0.4)
+    k.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
+    k.set_defaults(func=run_compile)
+
     c = bsub.add_parser("churn", help="a swarm with a peer killed mid-round and peers joining")
     c.add_argument("--json", action="store_true", help="print only the JSON result")
     c.add_argument("--peers", type=int, default=3)
@@ -132,6 +143,30 @@ def run_swap(args: argparse.Namespace, _extra: list[str]) -> int:
         precision=args.precision,
     )
     _emit(run_swap_bench(cfg), args.json)
+    return 0
+
+
+def run_compile(args: argparse.Namespace, _extra: list[str]) -> int:
+    from atomtrain.bench.compile import CompileBenchConfig, run_compile_bench
+    from atomtrain.errors import AtomError
+
+    if min(args.rows, args.rounds, args.steps_per_round) < 1 or args.seq_len < 0:
+        raise AtomError("--rows, --rounds and --steps-per-round must be >= 1, --seq-len >= 0")
+    if not 0 < args.budget_fraction <= 1:
+        raise AtomError(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
+    cfg = CompileBenchConfig(
+        preset=args.preset,
+        seq_len=args.seq_len,
+        rows=args.rows,
+        rounds=args.rounds,
+        steps_per_round=args.steps_per_round,
+        budget_fraction=args.budget_fraction,
+        backend=args.backend,
+    )
+    print(
+        "compile: compiling from an empty cache, then eager and compiled steps...", file=sys.stderr
+    )
+    _emit(run_compile_bench(cfg), args.json)
     return 0
 
 

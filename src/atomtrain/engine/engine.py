@@ -40,6 +40,7 @@ from atomtrain.engine.blocks import (
     storage_bytes,
     view_of,
 )
+from atomtrain.engine.compiled import BlockCall, BlockCompiler, CompileConfig, eager_call
 from atomtrain.engine.layout import BlockLayout, find_blocks
 from atomtrain.engine.memory import DeviceMemory, count_saved_bytes, tensor_bytes
 from atomtrain.engine.plan import ExecutionPlan, Policy
@@ -100,6 +101,9 @@ class EngineConfig:
     """Compute precision: `fp32`, or `bf16`/`fp16` autocast (matrix products in 16 bits;
     norms, softmax and the loss in fp32 as autocast chooses; fp32 masters, fp32 gradient
     accumulation on the host; dynamic loss scaling for fp16, done by the runner)."""
+    compile: CompileConfig | None = None
+    """Compile each distinct block once (`torch.compile`) and run every block of its kind
+    through it, its device tensors passed as inputs (None: every block eager)."""
 
 
 class SwapEngine:
@@ -161,6 +165,8 @@ class SwapEngine:
         self.gate_wait_s = 0.0
         """Seconds the training thread waited for optimizer steps gating a load."""
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.compiler = BlockCompiler(cfg.compile) if cfg.compile is not None else None
+        self.block_call: BlockCall = self.compiler.call if self.compiler else eager_call
 
     # ----- setup -----------------------------------------------------------------------------
 
@@ -439,7 +445,7 @@ class SwapEngine:
                 n: FetchParam.apply(self._anchor, self, i, n) if n in names else t
                 for n, t in params.items()
             }
-        return functional_call(self.blocks[i], params, (x, *rest), kwargs)
+        return self.block_call(self.blocks[i], params, (x, *rest), kwargs, f"block {i}")
 
     def _param_storages(self, i: int) -> set[int]:
         k = self.sub_of[i]

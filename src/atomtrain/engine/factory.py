@@ -24,7 +24,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def choose_plan(model: nn.Module, cfg: RunConfig, device: torch.device) -> ExecutionPlan:
     from atomtrain.engine.layout import find_blocks
-    from atomtrain.train.session import cache_dir
+    from atomtrain.train.session import cache_dir, compile_config
 
     ec = cfg.engine
     budget = parse_bytes(ec.device_memory)
@@ -46,6 +46,7 @@ def choose_plan(model: nn.Module, cfg: RunConfig, device: torch.device) -> Execu
         DTYPES[ec.param_dtype],
         cache_dir() / "profiles",
         ec.blocks,
+        compile_config(cfg) if ec.compile else None,
     )
     plan = plan_dp(
         prof, budget - gpu_reserve(budget, device), micro_batches, ec.max_blocks_per_submodel
@@ -90,10 +91,14 @@ def swap_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.devi
     budget = parse_bytes(cfg.engine.device_memory)
     plan = choose_plan(model, cfg, device)
     ec = cfg.engine
+    from atomtrain.train.session import compile_config
+
+    compile = compile_config(cfg) if ec.compile else None
+    reserve = gpu_reserve(budget, device)
     engine = SwapEngine(
         model,
         plan,
-        EngineConfig(budget, ec.param_dtype, ec.blocks, gpu_reserve(budget, device), ec.precision),
+        EngineConfig(budget, ec.param_dtype, ec.blocks, reserve, ec.precision, compile),
         device,
     )
     return SwapRunner(engine, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip)

@@ -9,7 +9,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from atomtrain.engine.compiled import BlockCall, BlockCompiler, CompileConfig, eager_call
 from atomtrain.engine.layout import BlockLayout, find_blocks
 from atomtrain.engine.memory import count_saved_bytes
 from atomtrain.planner.profile import BlockCost, ModelProfile
@@ -60,9 +61,11 @@ class BlockInputs:
     x: torch.Tensor
     rest: tuple
     kwargs: dict[str, Any]
+    block_call: BlockCall = eager_call
+    """How the engine will run the block: eagerly or compiled."""
 
     def call(self, block: nn.Module, tensors: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
-        out = functional_call(block, tensors, (x, *self.rest), self.kwargs)
+        out = self.block_call(block, tensors, (x, *self.rest), self.kwargs, "profiled block")
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -140,8 +143,10 @@ def measure_profile(
     dtype: torch.dtype = torch.float32,
     blocks_path: str = "",
     reps: int = 3,
+    block_call: BlockCall = eager_call,
 ) -> ModelProfile:
-    """Time each distinct block on the device and count the bytes it saves.
+    """Time each distinct block on the device, run by `block_call` as the engine will run it
+    (compiled blocks compile in the warm-up call), and count the bytes it saves.
 
     One forward of the outer part (blocks as identities) captures each block's real call, its
     keyword arguments included, so blocks that need more than the hidden state (a Llama layer's
@@ -186,7 +191,8 @@ def measure_profile(
         block = layout.block(i)
         sig = type(block).__name__ + str([tuple(p.shape) for p in block.parameters()])
         if sig not in cache:
-            cache[sig] = _measure_block(block, captured[i], dtype, device, reps)
+            inputs = replace(captured[i], block_call=block_call)
+            cache[sig] = _measure_block(block, inputs, dtype, device, reps)
         costs.append(cache[sig])
     h2d, d2h = measure_bandwidth(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -203,6 +209,7 @@ def measure_profile(
         seq_len=seq_len,
         device=device_name(device),
         measured=True,
+        notes={"blocks": "eager" if block_call is eager_call else "compiled"},
     )
 
 
@@ -213,7 +220,12 @@ def device_name(device: torch.device) -> str:
 
 
 def profile_key(
-    model: nn.Module, rows: int, seq_len: int, device: torch.device, dtype: torch.dtype
+    model: nn.Module,
+    rows: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    compiled: str = "",
 ) -> str:
     shape = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     raw = json.dumps(
@@ -226,6 +238,7 @@ def profile_key(
             device_name(device),
             str(dtype),
             torch.__version__,
+            *([f"compiled:{compiled}"] if compiled else []),  # eager keys stay as they were
         ]
     )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -239,15 +252,19 @@ def cached_profile(
     dtype: torch.dtype,
     cache_dir: Path,
     blocks_path: str = "",
+    compile: CompileConfig | None = None,
 ) -> ModelProfile:
-    """The measured profile from the cache, measuring (and caching) it on a miss."""
-    path = cache_dir / f"{profile_key(model, rows, seq_len, device, dtype)}.json"
+    """The measured profile from the cache, measuring (and caching) it on a miss; with
+    `compile`, of compiled blocks (cached apart from the eager one)."""
+    key = profile_key(model, rows, seq_len, device, dtype, compile.backend if compile else "")
+    path = cache_dir / f"{key}.json"
     if path.is_file():
         try:
             return ModelProfile.from_json(path.read_text())
         except (json.JSONDecodeError, TypeError, KeyError):
             log.warning("ignoring unreadable profile cache %s", path)
-    prof = measure_profile(model, rows, seq_len, device, dtype, blocks_path)
+    call = BlockCompiler(compile).call if compile else eager_call
+    prof = measure_profile(model, rows, seq_len, device, dtype, blocks_path, block_call=call)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(prof.to_json())

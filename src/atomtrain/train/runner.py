@@ -6,6 +6,9 @@ swap engine (engine/) plugs in as another runner with the same interface.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
@@ -45,12 +48,15 @@ class PlainRunner:
         micro_batch_rows: int,
         grad_clip: float,
         device: torch.device,
+        forward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.micro = micro_batch_rows
         self.grad_clip = grad_clip
         self.device = device
+        self.forward_context = forward_context
+        """Entered around each forward (compiled blocks stand in for the model's own there)."""
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> dict[str, float]:
         self.model.train()
@@ -60,7 +66,8 @@ class PlainRunner:
         parts = split_rows(x, y, self.micro)
         total = 0.0
         for xm, ym in parts:
-            _, loss = self.model(xm.to(self.device), ym.to(self.device))
+            with self.forward_context():
+                _, loss = self.model(xm.to(self.device), ym.to(self.device))
             (loss * (len(xm) / len(x))).backward()
             total += loss.item() * len(xm) / len(x)
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
@@ -72,7 +79,8 @@ class PlainRunner:
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.model.eval()
-        _, loss = self.model(x.to(self.device), y.to(self.device))
+        with self.forward_context():
+            _, loss = self.model(x.to(self.device), y.to(self.device))
         return float(loss)
 
     def host_parameters(self) -> dict[str, torch.Tensor]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +48,7 @@ from atomtrain.values import atomic_write_text
 
 if TYPE_CHECKING:
     from atomtrain.data.reuse import EchoingLoader
+    from atomtrain.engine.compiled import CompileConfig
     from atomtrain.models.hf import HFCausalLM
     from atomtrain.peer.runtime import PeerRuntime
 
@@ -186,7 +190,20 @@ def model_from_section(
 
 def plain_runner(model: nn.Module, opt: AdamW, cfg: RunConfig, device: torch.device) -> StepRunner:
     model.to(device)
-    return PlainRunner(model, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip, device)
+    context: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    if cfg.engine.compile:
+        from atomtrain.engine.compiled import BlockCompiler, compiled_blocks
+
+        compiler = BlockCompiler(compile_config(cfg))
+        context = partial(compiled_blocks, model, compiler, cfg.engine.blocks)
+    return PlainRunner(model, opt, cfg.train.micro_batch_rows, cfg.train.grad_clip, device, context)
+
+
+def compile_config(cfg: RunConfig) -> CompileConfig:
+    """How blocks are compiled: the run's backend, artefacts in the project's cache."""
+    from atomtrain.engine.compiled import CompileConfig
+
+    return CompileConfig(cfg.engine.compile_backend, str(cache_dir() / "inductor"))
 
 
 @dataclass
