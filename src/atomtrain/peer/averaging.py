@@ -58,7 +58,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
 from atomtrain.peer.auth import MemberGate
-from atomtrain.peer.codecs import Uniform4BitQuantization, Uniform8Bit, register
+from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, capped_weights
 from atomtrain.peer.sync import in_sync_flags
@@ -76,7 +76,7 @@ register()  # the 4-bit codec, before any averager process starts
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
     # name: (hivemind codec, dtype of the held tensors, wire bytes per element)
     "float16": (Float16Compression(), torch.float16, 2.0),
-    "int8": (Uniform8Bit(), torch.float16, 1.0),
+    "int8": (Blockwise8Bit(), torch.float16, 1.0),
     "int4": (Uniform4BitQuantization(), torch.float16, 0.5),
     "none": (NoCompression(), torch.float32, 4.0),
 }

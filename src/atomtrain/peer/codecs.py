@@ -1,7 +1,8 @@
 """Wire formats for the pseudo-gradient below 16 bits, in hivemind's compression framework.
 
 hivemind 1.1.12's 8-bit codecs fail to read their own messages under numpy 2 (`int()` of a
-one-element array), so its uniform 8-bit codec is re-registered here with that read fixed.
+one-element array), and scale a whole part at once; Atom's peers use the uniform 8-bit slot
+for a blockwise 8-bit codec instead.
 
 hivemind ships float16 and 8-bit codecs, and tells codecs apart by a fixed protobuf enum. Its
 BLOCKWISE_8BIT slot needs bitsandbytes, which Atom does not install; Atom's peers use that slot
@@ -22,11 +23,12 @@ import numpy as np
 import torch
 from hivemind.compression import serialization
 from hivemind.compression.base import CompressionBase, CompressionInfo
-from hivemind.compression.quantization import Uniform8BitQuantization
 from hivemind.proto import runtime_pb2
 
 BINS = 16
 RANGE_IN_SIGMAS = 6.0
+BLOCK = 1024
+"""Elements of a block of the 8-bit codec."""
 
 
 class Uniform4BitQuantization(CompressionBase):
@@ -86,22 +88,56 @@ def unpack(packed: np.ndarray, numel: int) -> np.ndarray:
     return out[:numel]
 
 
-class Uniform8Bit(Uniform8BitQuantization):
-    """hivemind's uniform 8-bit codec, reading its codebook size as numpy 2 requires."""
+class Blockwise8Bit(CompressionBase):
+    """8 bits an element, in blocks of BLOCK elements, each with its own minimum and step (256
+    levels between the block's minimum and maximum, rounded to the nearest): a round's chunk
+    spans many parameters whose updates differ in size by orders of magnitude, and one scale for
+    the whole part would round the small ones away. 1 byte an element plus 8 a block."""
+
+    compression_type = runtime_pb2.UNIFORM_8BIT  # the slot of hivemind's (one-scale) 8-bit codec
+
+    def compress(
+        self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False
+    ) -> runtime_pb2.Tensor:
+        if not torch.is_floating_point(tensor):
+            raise ValueError(f"8-bit quantization does not support {tensor.dtype} tensors")
+        flat = tensor.detach().float().reshape(-1)
+        pad = -flat.numel() % BLOCK
+        blocks = torch.cat([flat, flat[-1:].expand(pad)]).view(-1, BLOCK)  # edge value: no range
+        low = blocks.amin(1)
+        step = (blocks.amax(1) - low) / 255
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        index = ((blocks - low[:, None]) / step[:, None]).round_().clamp_(0, 255)
+        index = index.to(torch.uint8).reshape(-1)[: flat.numel()]
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=low.numpy().tobytes() + step.numpy().tobytes() + index.numpy().tobytes(),
+            size=tensor.shape,
+            dtype="bfloat16" if tensor.dtype == torch.bfloat16 else tensor.numpy().dtype.name,
+            requires_grad=tensor.requires_grad,
+        )
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        buffer = serialized_tensor.buffer
-        size = int(np.frombuffer(buffer, count=1, dtype=np.int64)[0])
-        codebook = np.frombuffer(buffer, offset=8, count=size, dtype=self.codebook_dtype)
-        index = np.frombuffer(buffer, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
         shape = tuple(serialized_tensor.size)
-        if index.size != math.prod(shape):
-            raise ValueError(f"8-bit tensor of shape {shape} with {index.size} indices")
-        values = torch.as_tensor(codebook.copy())[torch.as_tensor(index, dtype=torch.int64)]
-        out = values.reshape(shape).to(getattr(torch, serialized_tensor.dtype))
+        numel = math.prod(shape)
+        nblocks = -(-numel // BLOCK)
+        buffer = serialized_tensor.buffer
+        if len(buffer) != 8 * nblocks + numel:
+            raise ValueError(f"8-bit tensor of {numel} elements with {len(buffer)} bytes")
+        low = torch.from_numpy(np.frombuffer(buffer, count=nblocks, dtype=np.float32).copy())
+        step = np.frombuffer(buffer, offset=4 * nblocks, count=nblocks, dtype=np.float32)
+        index = np.frombuffer(buffer, offset=8 * nblocks, dtype=np.uint8)
+        values = torch.from_numpy(index.astype(np.float32))
+        pad = -numel % BLOCK
+        values = torch.cat([values, values.new_zeros(pad)]).view(-1, BLOCK)
+        values = values.mul_(torch.from_numpy(step.copy())[:, None]).add_(low[:, None])
+        out = values.reshape(-1)[:numel].reshape(shape).to(getattr(torch, serialized_tensor.dtype))
         return out.requires_grad_(serialized_tensor.requires_grad)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return 8 / torch.finfo(info.descriptor.dtype).bits
 
 
 def register() -> None:
-    serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Uniform8Bit()
+    serialization._BASE_COMPRESSION_TYPES["UNIFORM_8BIT"] = Blockwise8Bit()
     serialization._BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = Uniform4BitQuantization()
