@@ -77,11 +77,12 @@ FIRST_SYNC_EVERY = 10
 """With H auto, the first period is this many steps' time (nothing measured yet), rounded up to
 PERIOD_GRAIN_S so peers of about the same speed propose the same."""
 AUTO_MARGIN = 1.25
-"""With H auto, the period is this many times the measured round time."""
+"""With H auto, the period is this many times the typical round time and a step, plus the time a
+round looks for its group before its slot."""
 PERIOD_GRAIN_S = 0.5
-SLOT_MARGIN_S = 0.25
-"""A round prepared later than this before its slot waits for the next slot instead."""
 """Periods are whole multiples of this: proposals of peers alike are equal."""
+SLOT_MARGIN_S = 0.25
+"""A round that could look for its group only this long before its slot takes the next slot."""
 MAX_PERIOD_S = 3600.0
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
