@@ -52,6 +52,7 @@ class Finisher:
         if not others:
             log.info("no other live peer at the end; keeping this peer's parameters")
             return
+        self._catch_up(others, record)
         peer._final = True
         record.pop("group_size", None)
         peer._start_round()
@@ -68,6 +69,24 @@ class Finisher:
             self._linger()
         else:
             self._adopt_final_state(record, smallest)
+
+    def _catch_up(self, others: list[PeerStatus], record: dict[str, Any]) -> None:
+        """A peer that finished early waited while the others went on with rounds: it takes the
+        swarm's state first (keeping its own progress), so the last round finds every finisher
+        in sync instead of leaving it out with its old parameters."""
+        peer = self.peer
+        assert peer.averager is not None
+        ahead = max(s.round for s in others)
+        if ahead <= peer.round:
+            return
+        state = peer.averager.download_state(timeout_s=peer.cfg.state_timeout_s)
+        problem = peer.checker.problem(state, min_round=ahead)
+        if problem is not None:
+            log.warning("could not catch up with the swarm before the last round: %s", problem)
+            return
+        peer._load(state[0], list(state[1]), mode="resync")
+        record["resynchronized"] = True
+        log.info("caught up at round %d before the last round", peer.round)
 
     def _linger(self) -> None:
         """Stay a few seconds after the last round, serving its result to any peer that the
