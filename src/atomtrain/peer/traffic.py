@@ -39,7 +39,8 @@ class Traffic:
 
 
 class _CountedStub:
-    """A peer's stub whose all-reduce stream counts what comes back."""
+    """A peer's stub whose streams count what comes back: averages from a reducer, or the state
+    a peer serves."""
 
     def __init__(self, stub: Any, traffic: Traffic) -> None:
         self._stub, self._traffic = stub, traffic
@@ -47,16 +48,6 @@ class _CountedStub:
     async def rpc_aggregate_part(self, inputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
         stream = await self._stub.rpc_aggregate_part(inputs)
         return self._traffic.count(RECEIVED, stream)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stub, name)
-
-
-class _CountedStateStub:
-    """A peer's stub whose state download counts what comes in."""
-
-    def __init__(self, stub: Any, traffic: Traffic) -> None:
-        self._stub, self._traffic = stub, traffic
 
     async def rpc_download_state(self, request: Any) -> AsyncIterator[Any]:
         stream = await self._stub.rpc_download_state(request)
@@ -72,7 +63,7 @@ def counting_state_stubs(servicer: Any, traffic: Traffic) -> Any:
     plain = type(servicer).get_stub
 
     def get_stub(p2p: Any, peer: Any, *, namespace: str | None = None) -> Any:
-        return _CountedStateStub(plain(p2p, peer, namespace=namespace), traffic)
+        return _CountedStub(plain(p2p, peer, namespace=namespace), traffic)
 
     return get_stub
 
