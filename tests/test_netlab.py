@@ -124,3 +124,48 @@ def test_four_hosts_reach_each_other_and_their_links_count_bytes():
             assert size <= recv1 - recv0 < size * 1.2
         assert len(lab.leftovers()) == 9  # 4 namespaces, 4 veths, the bridge
     assert lab.leftovers() == []
+
+
+ECHO_SERVER = """
+import socket
+s = socket.socket(); s.bind(("0.0.0.0", 5557)); s.listen(); c, _ = s.accept(); n = 0
+while n < 1_000_000:
+    n += len(c.recv(65536))
+c.sendall(b"y" * 400_000); c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
+"""
+
+METERED_CLIENT = """
+import os, socket, sys, time
+from atomtrain.peer.wire import WireMeter
+meter = WireMeter(os.getpid())
+for _ in range(200):
+    try: s = socket.create_connection((sys.argv[1], 5557)); break
+    except ConnectionRefusedError: time.sleep(0.1)
+s.sendall(b"x" * 1_000_000); n = 0
+while (d := s.recv(65536)):
+    n += len(d)
+time.sleep(0.2)  # the last acknowledgements
+print(*meter.totals()); s.close()
+"""
+
+
+def test_the_wire_meter_counts_what_the_link_counts():
+    """A process's own socket counters (payload, segments, headers) against its link's."""
+    with NetLab(2, bandwidth_mbit=16.0) as lab:
+        server = lab.popen(1, [sys.executable, "-c", ECHO_SERVER])
+        before = lab.link_bytes()
+        client = lab.popen(
+            0,
+            [sys.executable, "-c", METERED_CLIENT, lab.address(1)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        out, _ = client.communicate(timeout=60)
+        assert server.wait(timeout=30) == 0
+        sent, received = (float(x) for x in out.split())
+        link_sent, link_received = (
+            a - b for a, b in zip(lab.link_bytes()[0], before[0], strict=True)
+        )
+        assert sent > 1_000_000 and received > 400_000  # headers on top of the payload
+        assert abs(sent / link_sent - 1) < 0.02, (sent, link_sent)
+        assert abs(received / link_received - 1) < 0.02, (received, link_received)

@@ -78,7 +78,22 @@ class NetLab:
             self.namespaces, self.veths, range(self.hosts), strict=True
         ):
             _ip("netns", "add", ns)
-            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            # one frame a TCP segment, as on a physical link: without it the kernel hands a veth
+            # large segments with one set of headers for many (its byte counters then miss them)
+            _ip(
+                "link",
+                "add",
+                outer,
+                "gso_max_segs",
+                "1",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                inner,
+                "gso_max_segs",
+                "1",
+            )
             _ip("link", "set", inner, "netns", ns)
             _ip("link", "set", outer, "master", self.bridge)
             _ip("link", "set", outer, "up")

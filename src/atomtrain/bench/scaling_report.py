@@ -55,6 +55,9 @@ def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
         for c, m, n in zip(counted, moved, rounds, strict=True)
         if c is not None and m > 0 and n > 0
     ]
+    # what each peer's status table said a round moved ("round MB"), summed over its rounds
+    tabled = [sum(r["round_bytes"] for r in log if "round_bytes" in r) for log in logs]
+    table_agree = [t / m for t, m, n in zip(tabled, moved, rounds, strict=True) if m > 0 and n > 0]
     memory = [
         r["averaging_memory_ratio"]
         for log in logs
@@ -76,6 +79,7 @@ def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
         "round_s": statistics.median(round_s) if round_s else None,
         "bytes_sent_per_round": statistics.mean(per_round) if per_round else None,
         "averager_vs_link_bytes": statistics.mean(agree) if agree else None,
+        "status_vs_link_bytes": statistics.mean(table_agree) if table_agree else None,
         "averaging_memory_ratio": max(memory) if memory else None,
         "device_busy_fraction": statistics.mean(busy) if busy else None,
         "final_val_loss": [last_value(log, "val_loss") for log in logs],
@@ -148,6 +152,7 @@ def report(runs: dict[str, list[SystemRun]], cfg: Any, largest: int, config: dic
         for key in (
             "bytes_sent_per_round",
             "averager_vs_link_bytes",
+            "status_vs_link_bytes",
             "averaging_memory_ratio",
             "device_busy_fraction",
         ):
@@ -179,12 +184,15 @@ def report(runs: dict[str, list[SystemRun]], cfg: Any, largest: int, config: dic
     out["averaging_memory_ratio"] = big["averaging_memory_ratio"]
     out["bytes_per_round"] = big["bytes_sent_per_round"]
     out["averager_vs_link_bytes"] = big["averager_vs_link_bytes"]
+    out["status_vs_link_bytes"] = big["status_vs_link_bytes"]
     out["notes"] = (
         f"figures of the swarm (device busy, memory, bytes) are those of atom_{largest}, "
         "median over seeds; bytes_per_round: bytes each peer sent per round on its link (DHT "
         "traffic included); averager_vs_link_bytes: the bytes each peer's averager counted "
-        "(sent and received, traffic.py) over the bytes its link carried both ways; a swarm "
-        "reaches the target when every peer has validated at or "
+        "(sent and received, traffic.py) over the bytes its link carried both ways; "
+        "status_vs_link_bytes: the bytes per round each peer's status table showed ("
+        "round MB, on the wire: wire.py), summed over its rounds, over the bytes its link "
+        "carried both ways; a swarm reaches the target when every peer has validated at or "
         "below it; all times from the launch of a system's first process"
     )
     out["systems"] = systems

@@ -59,6 +59,7 @@ from atomtrain.peer.rounds import (
 from atomtrain.peer.state import StateCheck
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.peer.traffic import RateMeter
+from atomtrain.peer.wire import WireMeter, daemon_meter
 from atomtrain.train.runner import StepRunner
 from atomtrain.train.trainer import TrainState
 from atomtrain.values import atomic_write_text
@@ -157,6 +158,9 @@ class PeerRuntime:
         self._looking_since = 0.0
         self._group_found_at = 0.0
         self._traffic_at_start = (0.0, 0.0)
+        self.wire: WireMeter | None = None
+        """What the peer's p2p daemon put on the network and took from it (wire.py)."""
+        self._wire_at_last_round = 0.0
         self._final = False
         self._share = 0.0
         """This member's share of the running round it trains on from (rounds.py); 0: none."""
@@ -193,6 +197,7 @@ class PeerRuntime:
         else:
             log.info("swarm key %s: only peers holding it take part", self.key.fingerprint())
         self.dht = self._start_dht(initial)
+        self.wire = daemon_meter(self.dht.pid)
         declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id, wait=True)
         self.peer_id = self.dht.peer_id.to_base58()
         self.averager = ProbedAverager(
@@ -622,7 +627,13 @@ class PeerRuntime:
         self.outcomes.append(True)
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
-        self.last_round_bytes = (sent - sent0) + (received - received0)
+        if self.wire is not None:  # everything since the last round: its share of the link
+            moved = sum(self.wire.totals())
+            self.last_round_bytes = moved - self._wire_at_last_round
+            self._wire_at_last_round = moved
+            record["wire_bytes"] = moved
+        else:  # the averager's messages only
+            self.last_round_bytes = (sent - sent0) + (received - received0)
         found = self._group_found_at or time.perf_counter()
         self.last_matchmaking_s = found - self._looking_since
         record["averager_bytes"] = sent + received  # all rounds so far, failed ones too
@@ -723,11 +734,18 @@ class PeerRuntime:
             if s.peer_id != self.peer_id and s.fresh(now, 3 * PUBLISH_EVERY_S)
         ]
 
+    def network_totals(self) -> tuple[float, float]:
+        """Bytes sent and received so far: on the wire if the kernel tells, else the averager's."""
+        if self.wire is not None:
+            return self.wire.totals()
+        assert self.averager is not None
+        return self.averager.traffic.totals()
+
     def _publish(self, step: int) -> None:
         if self.dht is None:
             return
         sent_bps, received_bps = (
-            self._rates.update(*self.averager.traffic.totals()) if self.averager else (0.0, 0.0)
+            self._rates.update(*self.network_totals()) if self.averager else (0.0, 0.0)
         )
         outcomes = list(self.outcomes)
         publish(

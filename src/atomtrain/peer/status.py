@@ -42,9 +42,12 @@ class PeerStatus:
     from the shared seed need no download)."""
     sent_bps: float = 0.0
     received_bps: float = 0.0
-    """Bytes a second the averager sent and received lately (measured: traffic.py)."""
+    """Bytes a second the peer sent and received lately: on the wire, as the kernel counts its
+    p2p daemon's sockets (wire.py), or where it cannot, what the averager moved (traffic.py)."""
     round_bytes: float = 0.0
-    """Bytes the last applied round sent plus received."""
+    """Bytes sent plus received from the round before the last applied one to it: on the wire
+    (every byte the peer moved meanwhile: the round, failed tries, the DHT, headers), or the
+    round's averager messages where the kernel's counters are not available."""
     matchmaking_s: float = 0.0
     """Of the last applied round: time from its start until its all-reduce began."""
     success_share: float = 0.0
