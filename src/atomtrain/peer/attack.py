@@ -6,11 +6,19 @@ round. The defences (peer/robust.py) must keep these from reaching the honest pe
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from atomtrain.errors import AtomError
 
-ATTACKS = ("nan", "scale", "noise", "stale")
+ATTACKS = ("nan", "scale", "noise", "stale", "sign_flip", "alie", "ipm", "label_flip")
+ALIE_Z = 1.0
+"""How many honest standard deviations "a little is enough" (Baruch et al., 2019) moves each
+coordinate: z = 1, as in its evaluations, where the rule max over (n - s)/n gives z <= 0 for a
+swarm this small."""
+IPM_EPSILON = 0.1
+"""Inner-product manipulation (Xie et al., 2020) sends -epsilon times the honest mean."""
 
 
 def check_attack(kind: str) -> None:
@@ -28,4 +36,28 @@ def poison(kind: str, delta: torch.Tensor) -> torch.Tensor:
     if kind == "noise":  # random noise a hundred times the size of an honest update
         rms = float(delta.pow(2).mean().sqrt()) or 1e-3
         return torch.randn_like(delta) * (100 * rms)
-    return delta
+    if kind == "sign_flip":  # the honest update, reversed
+        return -delta
+    if kind == "alie":
+        # the attacker's own update estimates the honest mean and |update| each coordinate's
+        # spread; every coordinate moved z spreads down: inside the honest range, all one way
+        return delta - ALIE_Z * delta.abs()
+    if kind == "ipm":
+        return delta * -IPM_EPSILON
+    return delta  # label_flip poisons the data (LabelFlippedLoader), not the update
+
+
+class LabelFlippedLoader:
+    """A training loader whose every target token t is trained on as vocab - 1 - t (the classic
+    label flip, token by token): the attacker's update is then honestly computed from poisoned
+    data. Everything else (state, echo statistics) is the wrapped loader's."""
+
+    def __init__(self, loader: Any, vocab_size: int) -> None:
+        self._loader, self._vocab_size = loader, vocab_size
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._loader.next_batch()
+        return x, (self._vocab_size - 1) - y
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)

@@ -409,6 +409,12 @@ def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
     peer = PeerRuntime(
         cfg.peer, session.trainer.runner, name, cfg.train.steps, session.run_dir, cfg.train.lr
     )
+    if cfg.peer.attack == "label_flip":  # `bench attack` only: this peer trains on poisoned data
+        from atomtrain.peer.attack import LabelFlippedLoader
+
+        session.trainer.loader = LabelFlippedLoader(
+            session.trainer.loader, session.shards.vocab_size
+        )  # type: ignore[assignment]
     session.trainer.after_step = peer.after_step
     session.trainer.extra_state = peer.extra_state
     session.peer = peer
