@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from atomtrain.bench.attack_report import SwarmRun, attack_report
 from atomtrain.errors import AtomError
 from atomtrain.peer.attack import (
     ALIE_Z,
@@ -55,3 +56,49 @@ def test_every_attack_is_accepted_and_others_named():
         check_attack(kind)
     with pytest.raises(AtomError, match="sign_flip"):
         check_attack("flip")
+
+
+def run(
+    losses: list[float], attacker: str | None = "a", banned_after: int | None = None
+) -> SwarmRun:
+    """Honest peers h0, h1 with these final losses; the attacker in each group until banned."""
+    logs = []
+    for loss in losses:
+        log: list[dict] = []
+        for rnd in range(5):
+            rejected = [attacker] if banned_after is not None and rnd >= banned_after else []
+            group = ["h0", "h1"] + ([attacker] if attacker and not rejected else [])
+            log.append({"round": rnd + 1, "group": group, "rejected_peers": rejected})
+        log.append({"val_loss": loss})
+        logs.append(log)
+    return SwarmRun(honest=["h0", "h1"], attacker=attacker, records=logs)
+
+
+def test_the_attack_report_compares_with_clean_and_counts_rounds_until_rejected():
+    clean = [run([3.0, 3.0], None), run([3.2, 3.2], None), run([3.1, 3.1], None)]
+    cases = {
+        "nan": {
+            "defended": [run([3.1, 3.1], banned_after=1), run([3.2, 3.2], banned_after=2)],
+            "undefended": [run([float("nan"), 9.0]), run([8.0, 8.0])],
+        },
+        "alie": {"defended": [run([3.5, 3.5])], "undefended": [run([4.0, 4.0])]},
+    }
+    out = attack_report(clean, cases)
+    assert out["clean_final_loss"]["median"] == pytest.approx(3.1)
+    nan, alie = out["attacks"]
+    assert nan["final_loss_defended"]["median"] == pytest.approx(3.15)
+    assert nan["final_loss_undefended"]["per_seed"] == [None, 8.0]  # a diverged seed: worst
+    assert nan["final_loss_undefended"]["median"] is None
+    assert nan["defended_within_5pct"] and nan["honest_peers_rejected"] == 0
+    assert [n["rounds_until_rejected"] for n in nan["neutralized"]] == [1, 2]
+    assert alie["neutralized"][0]["rounds_until_rejected"] is None  # never rejected: bounded only
+    assert alie["neutralized"][0]["rounds_applied_with_attacker"] == 5
+    assert not alie["defended_within_5pct"]  # 3.5 is 13% above 3.1
+    honest_banned = run([3.1, 3.1], banned_after=0)
+    honest_banned.records[0][0]["rejected_peers"] = ["h1"]
+    assert (
+        attack_report(clean, {"x": {"defended": [honest_banned]}})["attacks"][0][
+            "honest_peers_rejected"
+        ]
+        == 1
+    )

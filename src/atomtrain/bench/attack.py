@@ -9,12 +9,13 @@ Every peer is a real `atomtrain train --swarm` process on 127.0.0.1.
 
 from __future__ import annotations
 
-import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from atomtrain.bench.attack_report import SwarmRun, attack_report, final_loss
 from atomtrain.peer.attack import ATTACKS
 from atomtrain.peer.auth import KEY_ENV, write_new_key
 from atomtrain.peer.launcher import Swarm
@@ -23,9 +24,11 @@ from atomtrain.train.metrics import read_metrics
 
 @dataclass(frozen=True)
 class AttackConfig:
-    honest: int = 2
-    steps: int = 100
-    sync_every: int = 10
+    honest: int = 3
+    steps: int = 150
+    sync_every: int = 5
+    """Fixed, so every swarm runs the same rounds: steps / sync_every (30), for momentum."""
+    seeds: int = 3
     attacks: tuple[str, ...] = ATTACKS
     overrides: tuple[str, ...] = (
         "--model.preset=small",
@@ -39,17 +42,9 @@ class AttackConfig:
         "--peer.matchmaking_s=1.5",
         "--peer.averaging_timeout_s=15",
         "--peer.final_wait_s=60",
-        # plain model averaging as the outer step: over a few short rounds DiLoCo's Nesterov
-        # momentum makes the final loss swing by several percent from run to run, which would
-        # drown the effect measured here
-        "--peer.outer_lr=1.0",
-        "--peer.outer_momentum=0.0",
+        # the outer optimizer is DiLoCo's default (Nesterov momentum): an attack that steers
+        # the momentum is measured as users would meet it
     )
-
-
-def _final_loss(run_dir: Path) -> float:
-    recs = read_metrics(run_dir / "metrics.jsonl")
-    return next((float(r["val_loss"]) for r in reversed(recs) if "val_loss" in r), math.nan)
 
 
 def _wait(swarm: Swarm, timeout_s: float) -> None:
@@ -60,9 +55,11 @@ def _wait(swarm: Swarm, timeout_s: float) -> None:
         swarm.stop()
 
 
-def _common(cfg: AttackConfig, key: Path, defend: bool) -> list[str]:
+def _common(cfg: AttackConfig, key: Path, defend: bool, seed: int = 0) -> list[str]:
     return [
         *cfg.overrides,
+        f"--train.seed={seed}",
+        f"--data.seed={seed}",
         f"--train.steps={cfg.steps}",
         f"--peer.sync_every={cfg.sync_every}",
         f"--peer.swarm_key={key}",
@@ -88,43 +85,46 @@ def _intruders_refused(cfg: AttackConfig, out: Path, addr: str, other_key: Path)
 
 
 def run_case(
-    cfg: AttackConfig, out: Path, key: Path, attack: str, defend: bool
-) -> tuple[list[float], int]:
-    """(honest peers' final losses, contributions they rejected) for one swarm."""
-    name = f"{attack or 'clean'}-{'defended' if defend else 'undefended'}"
+    cfg: AttackConfig, out: Path, key: Path, attack: str, defend: bool, seed: int
+) -> SwarmRun:
+    """One swarm: the honest peers, and with `attack` one more peer that attacks."""
+    name = f"s{seed}-{attack or 'clean'}-{'defended' if defend else 'undefended'}"
     n = cfg.honest + (1 if attack else 0)
-    swarm = Swarm(name, out, name, _common(cfg, key, defend), wait_for=n, expected=n)
+    swarm = Swarm(name, out, name, _common(cfg, key, defend, seed), wait_for=n, expected=n)
     try:
         addr = swarm.wait_addr(swarm.launch(0, n, None))
         for i in range(1, n):
             extra = [f"--peer.attack={attack}"] if attack and i == n - 1 else None
             swarm.launch(i, n, addr, extra)
-        _wait(swarm, 600)
+        _wait(swarm, 900)
     finally:
         if swarm.running():
             swarm.stop()
-    honest = swarm.peers[: cfg.honest]
-    rejected = 0
-    for p in honest:
-        recs = read_metrics(p.run_dir / "metrics.jsonl")
-        rejected += max((len(r.get("rejected_peers", ())) for r in recs), default=0)
-    return [_final_loss(p.run_dir) for p in honest], rejected
+    return _records(swarm, cfg.honest)
 
 
-def _mean(xs: list[float]) -> float | None:
-    finite = [x for x in xs if math.isfinite(x)]
-    return sum(finite) / len(finite) if finite and len(finite) == len(xs) else None
+def _records(swarm: Swarm, honest: int) -> SwarmRun:
+    names = [f"{swarm.base}-peer{p.index}" for p in swarm.peers]
+    return SwarmRun(
+        honest=names[:honest],
+        attacker=names[honest] if len(names) > honest else None,
+        records=[read_metrics(p.run_dir / "metrics.jsonl") for p in swarm.peers[:honest]],
+    )
 
 
-def run_attack_bench(cfg: AttackConfig, out: Path) -> dict:
+def run_attack_bench(cfg: AttackConfig, out: Path, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop(KEY_ENV, None)  # the intruders must not find the swarm's key there
     key, other = out / "swarm.key", out / "other.key"
     write_new_key(key, force=True)
     write_new_key(other, force=True)
 
-    # the clean swarm, with intruders knocking while it trains
-    name = "clean"
+    def say(text: str) -> None:
+        if progress:
+            print(f"[bench attack] {text}", file=sys.stderr, flush=True)
+
+    # the clean swarm of seed 0, with intruders knocking while it trains
+    name = "s0-clean-defended"
     swarm = Swarm(
         name, out, name, _common(cfg, key, True), wait_for=cfg.honest, expected=cfg.honest + 1
     )
@@ -133,35 +133,30 @@ def run_attack_bench(cfg: AttackConfig, out: Path) -> dict:
         for i in range(1, cfg.honest):
             swarm.launch(i, cfg.honest + 1, addr)
         refused = _intruders_refused(cfg, out, addr, other)
-        _wait(swarm, 600)
+        _wait(swarm, 900)
     finally:
         if swarm.running():
             swarm.stop()
-    clean = _mean([_final_loss(p.run_dir) for p in swarm.peers])
-
-    attacks = []
+    clean = [_records(swarm, cfg.honest)]
+    say(f"seed 0 clean: final loss {final_loss(clean[0])}")
+    for seed in range(1, cfg.seeds):
+        clean.append(run_case(cfg, out, key, "", True, seed))
+        say(f"seed {seed} clean: final loss {final_loss(clean[-1])}")
+    cases: dict[str, dict[str, list[SwarmRun]]] = {}
     for attack in cfg.attacks:
-        defended, rejected = run_case(cfg, out, key, attack, True)
-        undefended, _ = run_case(cfg, out, key, attack, False)
-        d, u = _mean(defended), _mean(undefended)
-        attacks.append(
-            {
-                "attack": attack,
-                "final_loss_defended": d,
-                "final_loss_undefended": u,
-                "undefended_diverged": u is None,
-                "defended_within_5pct": d is not None
-                and clean is not None
-                and abs(d - clean) <= 0.05 * clean,
-                "rejected_contributions": rejected,
-            }
-        )
-    return {
-        "honest_peers": cfg.honest,
-        "attackers": 1,
-        "steps": cfg.steps,
-        "sync_every": cfg.sync_every,
-        "clean_final_loss": clean,
-        "attacks": attacks,
-        "unauthorized_join_refused": refused,
-    }
+        for defend in (True, False):
+            label = "defended" if defend else "undefended"
+            for seed in range(cfg.seeds):
+                run = run_case(cfg, out, key, attack, defend, seed)
+                cases.setdefault(attack, {}).setdefault(label, []).append(run)
+                say(f"seed {seed} {attack} {label}: final loss {final_loss(run)}")
+    result = attack_report(clean, cases)
+    result.update(
+        honest_peers=cfg.honest,
+        attackers=1,
+        steps=cfg.steps,
+        sync_every=cfg.sync_every,
+        seeds=cfg.seeds,
+        unauthorized_join_refused=refused,
+    )
+    return result

@@ -55,12 +55,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "attack", help="a keyed swarm with a poisoning peer, with and without defences"
     )
     a.add_argument("--json", action="store_true", help="print only the JSON result")
-    a.add_argument("--steps", type=int, default=100)
-    a.add_argument("--sync-every", type=int, default=10)
+    a.add_argument("--steps", type=int, default=150)
+    a.add_argument("--sync-every", type=int, default=5)
+    a.add_argument("--seeds", type=int, default=3, help="seeds per swarm (median and spread)")
     a.add_argument(
         "--attacks",
-        default="nan,scale,noise,stale",
-        help="comma-separated: nan, scale, noise, stale",
+        default="all",
+        help="comma-separated (nan, scale, noise, stale, sign_flip, alie, ipm, label_flip), or all",
     )
     a.add_argument("--out-dir", default="runs/bench-attack", help="where the peers' runs go")
     a.set_defaults(func=run_attack)
@@ -194,14 +195,25 @@ def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
     from pathlib import Path
 
     from atomtrain.bench.attack import AttackConfig, run_attack_bench
-    from atomtrain.peer.attack import check_attack
+    from atomtrain.errors import AtomError
+    from atomtrain.peer.attack import ATTACKS, check_attack
 
     attacks = tuple(a.strip() for a in args.attacks.split(",") if a.strip())
+    attacks = ATTACKS if attacks in ((), ("all",)) else attacks
     for attack in attacks:
         check_attack(attack)
+    for flag, value in (
+        ("--steps", args.steps),
+        ("--sync-every", args.sync_every),
+        ("--seeds", args.seeds),
+    ):
+        if value < 1:
+            raise AtomError(f"{flag} must be at least 1, got {value}")
     out = Path(args.out_dir)
     shutil.rmtree(out, ignore_errors=True)
-    cfg = AttackConfig(steps=args.steps, sync_every=args.sync_every, attacks=attacks)
+    cfg = AttackConfig(
+        steps=args.steps, sync_every=args.sync_every, seeds=args.seeds, attacks=attacks
+    )
     _emit(run_attack_bench(cfg, out), args.json)
     return 0
 

@@ -1,0 +1,113 @@
+"""The figures of `bench attack`, from the metrics its honest peers left.
+
+Per attack, over seeds: the honest peers' final validation loss with the defences and without
+(median and spread; a run whose loss is not finite counts as worst), how it compares with the
+clean swarm, how many honest peers an honest peer rejected, and how many rounds the attacker
+took part in before every honest peer rejected it."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+Records = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class SwarmRun:
+    honest: list[str]
+    """The honest peers' names (what groups and rejections name them by)."""
+    attacker: str | None
+    records: list[Records]
+    """Each honest peer's metrics.jsonl records."""
+
+
+def final_loss(run: SwarmRun) -> float | None:
+    """The honest peers' mean last validation loss (None: one of them has none, or diverged)."""
+    losses = [
+        next((r["val_loss"] for r in reversed(log) if "val_loss" in r), None) for log in run.records
+    ]
+    finite = [float(v) for v in losses if v is not None and math.isfinite(v)]
+    return statistics.mean(finite) if finite and len(finite) == len(losses) else None
+
+
+def honest_rejected(run: SwarmRun) -> int:
+    """Honest peers that some honest peer rejected."""
+    named = {name for log in run.records for r in log for name in r.get("rejected_peers", ())}
+    return len(named & set(run.honest))
+
+
+def rounds_with_attacker(log: Records, attacker: str) -> tuple[int, bool]:
+    """(rounds this peer applied with the attacker in its group before rejecting it, whether it
+    rejected it)."""
+    rounds = 0
+    for r in log:
+        if attacker in r.get("rejected_peers", ()):
+            return rounds, True
+        if attacker in r.get("group", ()):
+            rounds += 1
+    return rounds, False
+
+
+def neutralized(run: SwarmRun) -> dict[str, Any]:
+    """Rounds the attacker was in an honest peer's applied round before that peer rejected it
+    (the most over honest peers), and whether every honest peer did."""
+    if run.attacker is None:
+        return {
+            "rounds_until_rejected": None,
+            "rejected_by_all": False,
+            "rounds_applied_with_attacker": 0,
+        }
+    seen = [rounds_with_attacker(log, run.attacker) for log in run.records]
+    return {
+        "rounds_until_rejected": max(n for n, _ in seen) if all(r for _, r in seen) else None,
+        "rejected_by_all": all(r for _, r in seen),
+        "rounds_applied_with_attacker": max((n for n, _ in seen), default=0),
+    }
+
+
+def spread(values: list[float | None]) -> dict[str, Any]:
+    ranked = [math.inf if v is None else v for v in values]
+    med = statistics.median(ranked) if ranked else math.inf
+    return {
+        "median": med if math.isfinite(med) else None,
+        "min": min(ranked) if ranked and math.isfinite(min(ranked)) else None,
+        "max": max(ranked) if ranked and math.isfinite(max(ranked)) else None,
+        "per_seed": values,
+    }
+
+
+def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRun]]]) -> dict:
+    clean_loss = spread([final_loss(r) for r in clean])
+    reference = clean_loss["median"]
+    attacks = []
+    for attack, runs in cases.items():
+        defended, undefended = runs.get("defended", []), runs.get("undefended", [])
+        d = spread([final_loss(r) for r in defended])
+        u = spread([final_loss(r) for r in undefended])
+        ratio = d["median"] / reference if d["median"] is not None and reference else None
+        attacks.append(
+            {
+                "attack": attack,
+                "final_loss_defended": d,
+                "final_loss_undefended": u,
+                "defended_vs_clean": ratio,
+                "defended_within_5pct": ratio is not None and ratio <= 1.05,
+                "honest_peers_rejected": max((honest_rejected(r) for r in defended), default=0),
+                "neutralized": [neutralized(r) for r in defended],
+            }
+        )
+    return {
+        "clean_final_loss": clean_loss,
+        "attacks": attacks,
+        "notes": (
+            "final losses: the honest peers' mean last validation loss, median over seeds (a "
+            "run that diverged counts as worst); defended_within_5pct: the defended median at "
+            "most 5% above the clean median; neutralized, per seed: rounds an honest peer "
+            "applied with the attacker in its group before rejecting it (the most over honest "
+            "peers; null when some honest peer never rejected it: its influence is then only "
+            "bounded by the robust aggregation)"
+        ),
+    }
