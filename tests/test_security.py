@@ -22,6 +22,7 @@ from atomtrain.peer.auth import (
     declare_member,
     load_swarm_key,
     parse_key,
+    read_roster,
     write_new_key,
 )
 from atomtrain.peer.averaging import GuardedAverager, ProbedAverager
@@ -116,8 +117,8 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
         member = DHT(initial_peers=addr, start=True, authorizer=SwarmAuthorizer(key))
         try:
             declare_member(member, SWARM, key, member.peer_id, wait=True)
-            got = member.get(f"{SWARM}_members", latest=True)
-            assert got is not None and member.peer_id.to_base58() in got.value
+            roster = read_roster(member, SWARM, key.owner())
+            assert roster.of_peer(member.peer_id.to_base58()) is not None
             insider_avg = ProbedAverager(
                 member,
                 f"{SWARM}_avg",
@@ -129,7 +130,7 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
                 lambda: ({}, []),
                 MemberGate(key, SWARM),
             )
-            state = insider_avg.download_state(timeout_s=20)
+            state = insider_avg.download_state(20, [dht.peer_id.to_base58()])
             assert state is not None and state[0]["round"] == 7
             insider_avg.shutdown()
         finally:
