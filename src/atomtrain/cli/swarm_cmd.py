@@ -40,12 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     k = sub.add_parser(
         "keygen",
-        help="make a swarm key: only peers holding it can join the swarm",
-        description="Write a new random swarm key to FILE (readable by you only). Give it to "
-        "every peer with --swarm-key FILE or in $ATOM_SWARM_KEY.",
+        help="make a swarm's owner key, or (--member) a member's identity",
+        description="Write a new random swarm key to FILE (readable by you only): the owner's "
+        "key. Peers holding it (--swarm-key FILE or $ATOM_SWARM_KEY) take part; it admits "
+        "others (atomtrain admit). With --member, write a member's identity to FILE and its "
+        "public key to FILE.pub, for the owner to admit.",
     )
     k.add_argument("file", type=Path, metavar="FILE")
     k.add_argument("--force", action="store_true", help="replace an existing key file")
+    k.add_argument("--member", action="store_true", help="a member's identity, not a swarm key")
     k.set_defaults(func=run_keygen)
 
 
@@ -59,6 +62,15 @@ def run_keygen(args: argparse.Namespace, _extra: list[str]) -> int:
     if args.file.is_dir():
         raise AtomError(f"{args.file} is a directory; name a file for the key")
     try:
+        if args.member:
+            from atomtrain.peer.certs import write_new_identity
+
+            identity = write_new_identity(args.file, force=args.force)
+            print(
+                f"wrote identity of peer {identity.peer_id} to {args.file}; "
+                f"give {args.file}.pub to the swarm's owner (atomtrain admit)"
+            )
+            return 0
         key = write_new_key(args.file, force=args.force)
     except OSError as e:
         raise AtomError(f"cannot write {args.file} ({e.strerror or e})") from None

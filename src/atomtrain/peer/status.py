@@ -106,13 +106,13 @@ def status_key(swarm: str) -> str:
     return f"{swarm}_status"
 
 
-def publish(dht: DHT, swarm: str, subkey: bytes, status: PeerStatus) -> None:
+def publish(dht: DHT, swarm: str, subkey: bytes, status: PeerStatus) -> Any:
     """Store this peer's record under its own signed subkey (records.py), so no peer can write
-    another's."""
+    another's; a future of whether it was stored."""
     record = asdict(status)
     record["addrs"] = list(status.addrs)
     record["rejected"] = list(status.rejected)
-    dht.store(
+    return dht.store(
         status_key(swarm),
         subkey=subkey,
         value=record,
