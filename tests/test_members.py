@@ -193,3 +193,40 @@ def test_a_joiner_ranks_sources_by_rounds_capped_at_the_swarms():
         assert "H0" not in ranked and ranked[-1] == "B"  # itself never; the peer behind last
         assert set(ranked[:3]) == {"H1", "H2", "L"}  # the liar no better than an honest peer
     assert {download_sources([*honest, liar])[0] for _ in range(60)} == {"H0", "H1", "H2", "L"}
+
+
+def test_keygen_admit_and_a_certificate_for_another_identity_from_the_command_line(tmp_path):
+    from .conftest import run_cli
+
+    assert run_cli("keygen", "swarm.key", cwd=tmp_path).returncode == 0
+    made = run_cli("keygen", "--member", "alice.id", cwd=tmp_path)
+    assert made.returncode == 0 and "alice.id.pub" in made.stdout, made.stderr
+    admitted = run_cli(
+        "admit", "alice.id.pub", "--member", "alice", "--swarm-key", "swarm.key", cwd=tmp_path
+    )
+    assert admitted.returncode == 0 and (tmp_path / "alice.cert").is_file(), admitted.stderr
+    m = Membership.admitted(str(tmp_path / "alice.cert"), str(tmp_path / "alice.id"))
+    assert m.member == "alice" and m.owner == read_key(tmp_path / "swarm.key").owner()
+    assert run_cli("keygen", "--member", "other.id", cwd=tmp_path).returncode == 0
+    for identity, message in (("other.id", "was issued for peer"), ("", "needs --peer.identity")):
+        out = run_cli(
+            "train",
+            "--swarm",
+            "s",
+            "--swarm-cert",
+            "alice.cert",
+            f"--peer.identity={identity}",
+            "--train.steps=1",
+            cwd=tmp_path,
+        )
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr
+    bad = run_cli("admit", "swarm.key", "--member", "x", "--swarm-key", "swarm.key", cwd=tmp_path)
+    assert bad.returncode == 2 and "is not a member's public key" in bad.stderr
+
+
+def read_key(path: Path) -> SwarmKey:
+    from atomtrain.peer.auth import load_swarm_key
+
+    key = load_swarm_key(str(path))
+    assert key is not None
+    return key
