@@ -78,11 +78,14 @@ def run_keygen(args: argparse.Namespace, _extra: list[str]) -> int:
     return 0
 
 
-def _client_dht(addr: str, key_file: str | None):
+def _client_dht(addr: str, key_file: str | None, swarm: str):
+    """A DHT client reading the swarm's records (it signs nothing; it checks what it reads)."""
     from hivemind import DHT
+    from hivemind.utils.crypto import RSAPrivateKey
 
     from atomtrain.errors import AtomError
     from atomtrain.peer.auth import SwarmAuthorizer, load_swarm_key
+    from atomtrain.peer.records import swarm_validators
 
     key = load_swarm_key(key_file or "")
     try:
@@ -91,6 +94,7 @@ def _client_dht(addr: str, key_file: str | None):
             client_mode=True,
             start=True,
             authorizer=SwarmAuthorizer(key) if key else None,
+            record_validators=swarm_validators(swarm, RSAPrivateKey.process_wide()),
         )
     except Exception as e:
         hint = "" if key else "; if the swarm has a key, pass --swarm-key"
@@ -105,7 +109,7 @@ def _table(dht, swarm: str) -> str:
 
 
 def run_status(args: argparse.Namespace, _extra: list[str]) -> int:
-    dht = _client_dht(args.join, args.swarm_key)
+    dht = _client_dht(args.join, args.swarm_key, args.swarm)
     try:
         while True:
             print(_table(dht, args.swarm), flush=True)
@@ -177,7 +181,7 @@ def _check_peer_config(swarm, n: int) -> None:
 
 
 def _watch(swarm, addr: str, key_file: str | None, dashboard: int | None = None) -> None:
-    dht = _client_dht(addr, key_file)
+    dht = _client_dht(addr, key_file, swarm.name)
     tty = sys.stdout.isatty()
     lines = 0
     server = watch = None

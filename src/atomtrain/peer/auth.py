@@ -181,17 +181,20 @@ class Membership:
 
     def certificate(self, peer_id: str = "") -> Certificate:
         """The certificate this peer shows for `peer_id` (empty: for the DHT only)."""
+        cert = self._cert
         if self._key is None:
-            assert self._cert is not None
-            if peer_id and peer_id != self._cert.peer_id:
+            assert cert is not None
+            if peer_id and peer_id != cert.peer_id:
                 raise AtomError(
                     f"this peer's ID {peer_id} is not the one its certificate names "
-                    f"({self._cert.peer_id}); pass the identity it was issued for"
+                    f"({cert.peer_id}); pass the identity it was issued for"
                 )
-            return self._cert
-        cert = self._cert
-        stale = cert is None or cert.expires < time.time() + SELF_CERT_LIFETIME_S / 2
-        if stale or cert.peer_id != peer_id:
+            return cert
+        if (
+            cert is None
+            or cert.expires < time.time() + SELF_CERT_LIFETIME_S / 2
+            or (cert.peer_id != peer_id)
+        ):
             cert = issue(
                 self._key.secret, self.member, self.public_key, peer_id, SELF_CERT_LIFETIME_S
             )

@@ -33,7 +33,9 @@ async def download_from(averager: Any, sources: list[str], timeout_s: float | No
         try:
             stub = averager.get_stub(averager._p2p, peer, namespace=averager.prefix)
             stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            metadata, tensors, parts = None, [], []
+            metadata: Any = None
+            tensors: list[Any] = []
+            parts: list[Any] = []
             async for message in aiter_with_timeout(stream, timeout=timeout_s):
                 if message.metadata:
                     metadata = averager.serializer.loads(message.metadata)
