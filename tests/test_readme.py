@@ -59,6 +59,16 @@ COMMANDS: dict[str, list[str] | str] = {
     "atomtrain train --swarm mine --join /ip4/…/p2p/…": "needs a live peer's address",
     "atomtrain status --join /ip4/…/p2p/… --swarm mine": "needs a live peer's address",
     "atomtrain train --swarm mine --swarm-key swarm.key": "test_security: keyed swarms",
+    "atomtrain keygen --member alice.id": "test_members: keygen, admit and a certificate's checks",
+    "atomtrain admit alice.id.pub --member alice --swarm-key swarm.key": (
+        "test_members: keygen, admit and a certificate's checks"
+    ),
+    "atomtrain train --swarm mine --swarm-cert alice.cert --peer.identity=alice.id --join /ip4/…/p2p/…": (  # noqa: E501
+        "needs a live peer's address"
+    ),
+    "atomtrain revoke alice --swarm mine --swarm-key swarm.key --join /ip4/…/p2p/…": (
+        "needs a live peer's address"
+    ),
     "atomtrain dashboard --join /ip4/…/p2p/… --swarm mine": "needs a live peer's address",
     "atomtrain swarm --peers 2 --dashboard 8080": (
         "test_dashboard: the page in a browser, of `atomtrain swarm --dashboard`"

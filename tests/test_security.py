@@ -5,6 +5,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,13 @@ from hivemind.utils.timed_storage import get_dht_time
 from atomtrain.errors import AtomError
 from atomtrain.peer.auth import (
     MemberGate,
+    Membership,
     SwarmAuthorizer,
     SwarmKey,
     declare_member,
     load_swarm_key,
     parse_key,
+    read_roster,
     write_new_key,
 )
 from atomtrain.peer.averaging import GuardedAverager, ProbedAverager
@@ -116,8 +119,8 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
         member = DHT(initial_peers=addr, start=True, authorizer=SwarmAuthorizer(key))
         try:
             declare_member(member, SWARM, key, member.peer_id, wait=True)
-            got = member.get(f"{SWARM}_members", latest=True)
-            assert got is not None and member.peer_id.to_base58() in got.value
+            roster = read_roster(member, SWARM, key.owner())
+            assert roster.of_peer(member.peer_id.to_base58()) is not None
             insider_avg = ProbedAverager(
                 member,
                 f"{SWARM}_avg",
@@ -129,7 +132,7 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
                 lambda: ({}, []),
                 MemberGate(key, SWARM),
             )
-            state = insider_avg.download_state(timeout_s=20)
+            state = insider_avg.download_state(20, [dht.peer_id.to_base58()])
             assert state is not None and state[0]["round"] == 7
             insider_avg.shutdown()
         finally:
@@ -240,8 +243,25 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
     key_file = tmp_path / "swarm.key"
     key = write_new_key(key_file)
     poisoned = ({"round": 3}, [torch.full((numel,), float("nan")), torch.zeros(numel)])
-    dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, authorizer=SwarmAuthorizer(key))
-    declare_member(dht, SWARM, key, dht.peer_id, wait=True)
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from atomtrain.peer.records import own_subkey, swarm_validators
+    from atomtrain.peer.status import PeerStatus, publish
+
+    signing = RSAPrivateKey()  # not the process-wide key the joiner signs with
+    owner = Membership.of_owner(key, "server", signing)
+    dht = DHT(
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        start=True,
+        authorizer=owner.authorizer(),
+        record_validators=swarm_validators(SWARM, signing),
+    )
+    declare_member(dht, SWARM, owner, dht.peer_id, wait=True)
+    # the server says it is at round 3 (signed; stamped ahead, so it stays fresh for the test):
+    # the joiner asks it for the state
+    server_id = dht.peer_id.to_base58()
+    said = PeerStatus("server", 3, 30, 2.0, 1.0, 0.0, peer_id=server_id, updated=time.time() + 60)
+    assert publish(dht, SWARM, own_subkey(signing), said).result()
     server = ProbedAverager(
         dht,
         f"{SWARM}_avg",
@@ -263,6 +283,7 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
     joiner = PeerRuntime(cfg, runner, "joiner", 10, tmp_path)
     try:
         joiner.start(None)
+        assert joiner.state_sources() == [server_id]  # it did ask the server
         after = runner.host_parameters()
         assert all(torch.equal(before[n], after[n]) for n in before)  # nothing was replaced
         assert joiner.round == 0

@@ -149,9 +149,16 @@ def _check_peer(cfg: RunConfig) -> None:
         raise AtomError(f"peer.identity must name a file, got {p.identity!r}")
     if "\0" in p.swarm_key:
         raise AtomError(f"peer.swarm_key must name a file, got {p.swarm_key!r}")
+    if "\0" in p.swarm_cert:
+        raise AtomError(f"peer.swarm_cert must name a file, got {p.swarm_cert!r}")
     if p.swarm:
         from atomtrain.peer.attack import check_attack
         from atomtrain.peer.auth import load_swarm_key
 
         check_attack(p.attack)
-        load_swarm_key(p.swarm_key)  # a missing or malformed key file is named here
+        if p.swarm_cert:  # a missing or malformed certificate or identity is named here
+            from atomtrain.peer.auth import Membership
+
+            Membership.admitted(p.swarm_cert, p.identity)
+        else:
+            load_swarm_key(p.swarm_key)  # a missing or malformed key file is named here

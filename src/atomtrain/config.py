@@ -171,7 +171,11 @@ class PeerSection:
     wait_for: int = 0
     """Before the first step, wait (up to a minute) until this many peers are in the swarm."""
     swarm_key: str = ""
-    """File with the swarm key (`atomtrain keygen`); empty: $ATOM_SWARM_KEY, else an open swarm."""
+    """File with the swarm key, the owner's (`atomtrain keygen`); empty: $ATOM_SWARM_KEY, else an
+    open swarm (or `swarm_cert`)."""
+    swarm_cert: str = ""
+    """File with this member's certificate (`atomtrain admit`), issued for `identity`: a member
+    the owner admitted takes part without the owner's key."""
     defend: bool = True
     """Check every contribution and downloaded state; aggregate robustly (peer/robust.py)."""
     attack: str = ""

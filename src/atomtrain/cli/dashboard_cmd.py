@@ -32,7 +32,7 @@ def open_dashboard(addr: str, swarm: str, key_file: str | None, host: str, port:
     from atomtrain.values import check_port
 
     check_port(port, "--port")
-    dht = _client_dht(addr, key_file)
+    dht = _client_dht(addr, key_file, swarm)
     watch = SwarmWatch(dht, swarm).start()
     try:
         server = start_dashboard(watch, host, port)

@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         dashboard_cmd,
         data_cmd,
         export_cmd,
+        members_cmd,
         plan_cmd,
         sample_cmd,
         serve_cmd,
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (
         train_cmd,
         swarm_cmd,
+        members_cmd,
         dashboard_cmd,
         sample_cmd,
         serve_cmd,

@@ -40,12 +40,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     k = sub.add_parser(
         "keygen",
-        help="make a swarm key: only peers holding it can join the swarm",
-        description="Write a new random swarm key to FILE (readable by you only). Give it to "
-        "every peer with --swarm-key FILE or in $ATOM_SWARM_KEY.",
+        help="make a swarm's owner key, or (--member) a member's identity",
+        description="Write a new random swarm key to FILE (readable by you only): the owner's "
+        "key. Peers holding it (--swarm-key FILE or $ATOM_SWARM_KEY) take part; it admits "
+        "others (atomtrain admit). With --member, write a member's identity to FILE and its "
+        "public key to FILE.pub, for the owner to admit.",
     )
     k.add_argument("file", type=Path, metavar="FILE")
     k.add_argument("--force", action="store_true", help="replace an existing key file")
+    k.add_argument("--member", action="store_true", help="a member's identity, not a swarm key")
     k.set_defaults(func=run_keygen)
 
 
@@ -59,6 +62,15 @@ def run_keygen(args: argparse.Namespace, _extra: list[str]) -> int:
     if args.file.is_dir():
         raise AtomError(f"{args.file} is a directory; name a file for the key")
     try:
+        if args.member:
+            from atomtrain.peer.certs import write_new_identity
+
+            identity = write_new_identity(args.file, force=args.force)
+            print(
+                f"wrote identity of peer {identity.peer_id} to {args.file}; "
+                f"give {args.file}.pub to the swarm's owner (atomtrain admit)"
+            )
+            return 0
         key = write_new_key(args.file, force=args.force)
     except OSError as e:
         raise AtomError(f"cannot write {args.file} ({e.strerror or e})") from None
@@ -66,11 +78,14 @@ def run_keygen(args: argparse.Namespace, _extra: list[str]) -> int:
     return 0
 
 
-def _client_dht(addr: str, key_file: str | None):
+def _client_dht(addr: str, key_file: str | None, swarm: str):
+    """A DHT client reading the swarm's records (it signs nothing; it checks what it reads)."""
     from hivemind import DHT
+    from hivemind.utils.crypto import RSAPrivateKey
 
     from atomtrain.errors import AtomError
     from atomtrain.peer.auth import SwarmAuthorizer, load_swarm_key
+    from atomtrain.peer.records import swarm_validators
 
     key = load_swarm_key(key_file or "")
     try:
@@ -79,6 +94,7 @@ def _client_dht(addr: str, key_file: str | None):
             client_mode=True,
             start=True,
             authorizer=SwarmAuthorizer(key) if key else None,
+            record_validators=swarm_validators(swarm, RSAPrivateKey.process_wide()),
         )
     except Exception as e:
         hint = "" if key else "; if the swarm has a key, pass --swarm-key"
@@ -93,7 +109,7 @@ def _table(dht, swarm: str) -> str:
 
 
 def run_status(args: argparse.Namespace, _extra: list[str]) -> int:
-    dht = _client_dht(args.join, args.swarm_key)
+    dht = _client_dht(args.join, args.swarm_key, args.swarm)
     try:
         while True:
             print(_table(dht, args.swarm), flush=True)
@@ -165,7 +181,7 @@ def _check_peer_config(swarm, n: int) -> None:
 
 
 def _watch(swarm, addr: str, key_file: str | None, dashboard: int | None = None) -> None:
-    dht = _client_dht(addr, key_file)
+    dht = _client_dht(addr, key_file, swarm.name)
     tty = sys.stdout.isatty()
     lines = 0
     server = watch = None

@@ -52,6 +52,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the swarm's key (atomtrain keygen); default: $ATOM_SWARM_KEY, else an open swarm",
     )
     p.add_argument(
+        "--swarm-cert",
+        metavar="FILE",
+        help="this member's certificate (atomtrain admit), with --peer.identity it was issued for",
+    )
+    p.add_argument(
         "--serve",
         type=int,
         metavar="PORT",
@@ -76,6 +81,8 @@ def resolve_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
         overrides = [*overrides, f"--peer.join={','.join(args.join)}"]
     if args.swarm_key:
         overrides = [*overrides, f"--peer.swarm_key={args.swarm_key}"]
+    if args.swarm_cert:
+        overrides = [*overrides, f"--peer.swarm_cert={args.swarm_cert}"]
     if args.device_memory:
         overrides = [*overrides, f"--engine.device_memory={args.device_memory}"]
     if args.serve is not None:

@@ -1,63 +1,73 @@
-"""Swarm keys: only peers that hold the swarm's secret take part.
+"""Keyed swarms: only members the swarm's owner admitted take part.
 
-A swarm key is 32 random bytes, written as 64 hex characters by `atomtrain keygen`. Peers load it
-from `--swarm-key FILE` or from the `ATOM_SWARM_KEY` environment variable (the key's text). With a
-key, three gates close:
+The swarm key (`atomtrain keygen`, 64 hex characters) is the *owner key*: the seed of the
+Ed25519 key that signs members' certificates (certs.py). A peer holding it admits itself (it is
+the owner, or one of the owner's own machines); a member the owner admitted holds only its
+certificate and the identity it was issued for (`--peer.swarm-cert`, `--peer.identity`), and
+cannot admit anyone, so every identity costs the owner's signature. Three gates close:
 
-- **DHT.** Every DHT request and response carries an access token: the sender's RSA public key and
-  an expiry, authenticated with an HMAC under the swarm key, and the message is signed with that
-  RSA key (hivemind's token protocol, with the HMAC in place of an authority's signature). Peers
-  without the key can neither bootstrap from, read from nor write to a keyed swarm.
-- **Averaging** and **state download.** hivemind checks none of these RPCs, so every peer
-  publishes a *membership proof* in the (gated) DHT: an HMAC of its libp2p peer ID under the swarm
-  key. Its averager answers `rpc_join_group`, `rpc_aggregate_part` and `rpc_download_state` only
-  for callers whose transport-authenticated peer ID has a valid proof. A proof cannot be replayed
-  by anyone else: libp2p proves the caller owns its peer ID on every connection.
+- **DHT.** Every DHT request and response carries an access token, the sender's certificate: the
+  owner's signature over its RSA public key, and the message is signed with that RSA key
+  (hivemind's token protocol, with the owner as its authority). Peers without a valid, unrevoked
+  certificate can neither bootstrap from, read from nor write to a keyed swarm.
+- **Averaging** and **state download.** hivemind checks none of these RPCs, so every member
+  publishes its certificate in the (gated) DHT, under a subkey only it can write (records.py).
+  Its averager answers `rpc_join_group`, `rpc_aggregate_part` and `rpc_download_state` only for
+  callers whose transport-authenticated peer ID a valid certificate names: libp2p proves the
+  caller owns its peer ID on every connection, so a certificate cannot be used by anyone else.
 
-Without a key the swarm is open (the peer says so at start). The transport stays encrypted either
-way (libp2p's TLS/Noise).
+Bans and revocations name the certificate's member, not the peer ID. Without a key the swarm is
+open (the peer says so at start). The transport stays encrypted either way (libp2p's TLS/Noise).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import secrets
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from hivemind.p2p import PeerID
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
+from atomtrain.peer.certs import (
+    Certificate,
+    Revocations,
+    issue,
+    owner_public_hex,
+    read_certificate,
+    read_identity,
+)
+from atomtrain.peer.records import own_subkey, signer_of, swarm_validators
 
 KEY_ENV = "ATOM_SWARM_KEY"
 KEY_HEX_CHARS = 64
-TOKEN_LIFETIME = timedelta(hours=1)
+SELF_CERT_LIFETIME_S = 3600.0
+"""Certificates an owner's peer issues itself are short-lived (it reissues them)."""
 PROOF_TTL_S = 30.0
+"""Members republish their certificate this often or sooner; the gate trusts a check this long."""
 
 
 @dataclass(frozen=True)
 class SwarmKey:
     secret: bytes = field(repr=False)  # a logged or printed key object never shows the secret
 
-    def mac(self, purpose: bytes, *parts: bytes) -> bytes:
-        h = hmac.new(self.secret, purpose, hashlib.sha256)
-        for part in parts:  # length-prefixed, so no two part lists authenticate alike
-            h.update(len(part).to_bytes(4, "big"))
-            h.update(part)
-        return h.digest()
+    def owner(self) -> str:
+        """The owner's public key (hex): what members' certificates are checked against."""
+        return owner_public_hex(self.secret)
 
     def fingerprint(self) -> str:
         """A short public name of the key (safe to print): which key, never the key."""
-        return self.mac(b"atom-fingerprint").hex()[:8]
+        return self.owner()[:8]
 
 
 def parse_key(text: str, where: str) -> SwarmKey:
@@ -117,109 +127,271 @@ def write_new_key(path: Path, force: bool = False) -> SwarmKey:
     return key
 
 
+# --- this peer's membership -----------------------------------------------------------------------
+
+
+class Membership:
+    """This peer's standing in a keyed swarm: the owner it trusts, the RSA key it signs with, and
+    its certificate. An owner's peer (holding the swarm key) issues its own certificates; an
+    admitted member holds one, issued for its identity."""
+
+    def __init__(
+        self,
+        owner: str,
+        private_key: RSAPrivateKey,
+        member: str,
+        key: SwarmKey | None = None,
+        cert: Certificate | None = None,
+    ) -> None:
+        self.owner = owner
+        self.private_key = private_key
+        self.member = member
+        self._key = key
+        self._cert = cert
+
+    def __repr__(self) -> str:
+        return f"Membership(member={self.member!r}, owner={self.owner[:8]})"
+
+    @classmethod
+    def of_owner(
+        cls, key: SwarmKey, member: str, private_key: RSAPrivateKey | None = None
+    ) -> Membership:
+        return cls(key.owner(), private_key or RSAPrivateKey.process_wide(), member, key=key)
+
+    @classmethod
+    def admitted(cls, cert_path: str, identity_path: str) -> Membership:
+        """A member's certificate and the identity it was issued for."""
+        if not identity_path:
+            raise AtomError(
+                f"--peer.swarm-cert {cert_path} needs --peer.identity: the identity file it was "
+                "issued for"
+            )
+        cert = read_certificate(cert_path)
+        identity = read_identity(identity_path)
+        if cert.public_key != identity.public_key or cert.peer_id != identity.peer_id:
+            raise AtomError(
+                f"certificate {cert_path} was issued for peer {cert.peer_id}, not for identity "
+                f"{identity_path} ({identity.peer_id})"
+            )
+        return cls(cert.owner, identity.private_key, cert.member, cert=cert)
+
+    @property
+    def public_key(self) -> str:
+        return self.private_key.get_public_key().to_bytes().decode()
+
+    def certificate(self, peer_id: str = "") -> Certificate:
+        """The certificate this peer shows for `peer_id` (empty: for the DHT only)."""
+        cert = self._cert
+        if self._key is None:
+            assert cert is not None
+            if peer_id and peer_id != cert.peer_id:
+                raise AtomError(
+                    f"this peer's ID {peer_id} is not the one its certificate names "
+                    f"({cert.peer_id}); pass the identity it was issued for"
+                )
+            return cert
+        if (
+            cert is None
+            or cert.expires < time.time() + SELF_CERT_LIFETIME_S / 2
+            or (cert.peer_id != peer_id)
+        ):
+            cert = issue(
+                self._key.secret, self.member, self.public_key, peer_id, SELF_CERT_LIFETIME_S
+            )
+            self._cert = cert
+        return cert
+
+    def authorizer(self) -> SwarmAuthorizer:
+        return SwarmAuthorizer(self)
+
+    def validators(self, swarm: str) -> list[Any]:
+        return swarm_validators(swarm, self.private_key)
+
+
+def as_membership(credential: SwarmKey | Membership | None, member: str) -> Membership | None:
+    """A membership from a swarm key (an owner's peer named `member`) or as it is."""
+    if isinstance(credential, SwarmKey):
+        return Membership.of_owner(credential, member)
+    return credential
+
+
+def load_membership(
+    key_file: str, cert_file: str, identity_file: str, name: str
+) -> Membership | None:
+    """This peer's membership: from its certificate, else from the swarm key (file or
+    environment, which is then cleared so p2pd and the watchdog never see it); None: open."""
+    if cert_file:
+        return Membership.admitted(cert_file, identity_file)
+    key = load_swarm_key(key_file, consume_env=True)
+    return Membership.of_owner(key, name) if key is not None else None
+
+
 # --- the DHT gate ---------------------------------------------------------------------------------
 
 
 class SwarmAuthorizer(TokenAuthorizerBase):
-    """hivemind's token protocol with tokens authenticated by the swarm key."""
+    """hivemind's token protocol with the owner as its authority: a token is a certificate."""
 
-    def __init__(self, key: SwarmKey) -> None:
-        super().__init__()
-        self.key = key
-
-    def _token_mac(self, token: AccessToken) -> bytes:
-        return self.key.mac(
-            b"atom-token",
-            token.username.encode(),
-            bytes(token.public_key),
-            token.expiration_time.encode(),
-        )
+    def __init__(self, credential: SwarmKey | Membership) -> None:
+        membership = as_membership(credential, "owner")
+        assert membership is not None
+        super().__init__(membership.private_key)
+        self.membership = membership
+        self.revoked: set[str] = set()
+        """Members whose tokens are refused (runs in the DHT's process: see note_revoked)."""
 
     async def get_token(self) -> AccessToken:
-        expires = datetime.now(timezone.utc) + TOKEN_LIFETIME
-        token = AccessToken(
-            username="atom-peer",
+        cert = self.membership.certificate()
+        return AccessToken(
+            username=cert.to_text(),
             public_key=self.local_public_key.to_bytes(),
-            expiration_time=expires.isoformat(),
+            expiration_time=datetime.fromtimestamp(cert.expires, timezone.utc).isoformat(),
         )
-        token.signature = self._token_mac(token)
-        return token
 
     def is_token_valid(self, access_token: AccessToken) -> bool:
-        if not hmac.compare_digest(bytes(access_token.signature), self._token_mac(access_token)):
-            return False
-        try:
-            expires = datetime.fromisoformat(access_token.expiration_time)
-        except ValueError:
-            return False
-        return expires.tzinfo is not None and expires > datetime.now(timezone.utc)
+        cert = Certificate.from_text(access_token.username)
+        return (
+            cert is not None
+            and cert.valid(self.membership.owner)
+            and cert.public_key.encode() == bytes(access_token.public_key)
+            and cert.member not in self.revoked
+        )
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
-        expires = datetime.fromisoformat(access_token.expiration_time)
-        return expires - datetime.now(timezone.utc) < TOKEN_LIFETIME / 4
+        cert = Certificate.from_text(access_token.username)
+        return cert is None or cert.expires < time.time() + SELF_CERT_LIFETIME_S / 4
 
 
-# --- the averaging and state-download gates -------------------------------------------------------
+async def _set_revoked(_dht: Any, node: Any, members: tuple[str, ...]) -> None:
+    authorizer = getattr(node.protocol, "authorizer", None)
+    if isinstance(authorizer, SwarmAuthorizer):
+        authorizer.revoked = set(members)
+
+
+def note_revoked(dht: Any, members: tuple[str, ...]) -> None:
+    """Tell the DHT's process (its gate) which members are revoked."""
+    dht.run_coroutine(partial(_set_revoked, members=members), return_future=True)
+
+
+# --- the roster: certificates and revocations in the DHT ------------------------------------------
 
 
 def members_key(swarm: str) -> str:
     return f"{swarm}_members"
 
 
-def member_proof(key: SwarmKey, peer_id: PeerID) -> bytes:
-    return key.mac(b"atom-member", peer_id.to_bytes())
+def revoked_key(swarm: str) -> str:
+    return f"{swarm}_revoked"
 
 
-def declare_member(
-    dht: Any, swarm: str, key: SwarmKey | None, peer_id: PeerID, wait: bool = False
-) -> None:
-    """Publish this peer's membership proof (refreshed with its status). `wait` at start, so
-    the gates know this peer before it asks anything of them."""
-    if key is None:
-        return
-    dht.store(
-        members_key(swarm),
-        subkey=peer_id.to_base58(),
-        value=member_proof(key, peer_id).hex(),
-        expiration_time=get_dht_time() + PROOF_TTL_S,
-        return_future=not wait,
+@dataclass
+class Roster:
+    """The members the DHT shows: valid certificates by the public key that published them, and
+    the newest revocation list."""
+
+    by_signer: dict[str, Certificate] = field(default_factory=dict)
+    revocations: Revocations | None = None
+
+    def of_peer(self, peer_id: str) -> Certificate | None:
+        for cert in self.by_signer.values():
+            if cert.peer_id == peer_id:
+                return cert
+        return None
+
+
+def roster_of(members: Any, revoked: Any, owner: str) -> Roster:
+    """The roster from the DHT's answers for the members and revocation keys (either None)."""
+    out = Roster()
+    for entry in _entries(revoked).values():
+        found = Revocations.from_text(getattr(entry, "value", None), owner)
+        if found and (out.revocations is None or found.issued > out.revocations.issued):
+            out.revocations = found
+    gone = set(out.revocations.members) if out.revocations else set()
+    now = time.time()
+    for subkey, entry in _entries(members).items():
+        signer = signer_of(subkey)
+        cert = Certificate.from_text(getattr(entry, "value", None))
+        if signer is None or cert is None or cert.public_key != signer:
+            continue  # a record its certificate's holder did not sign
+        if cert.member not in gone and cert.valid(owner, now):
+            out.by_signer[signer] = cert
+    return out
+
+
+def _entries(found: Any) -> dict:
+    value = getattr(found, "value", None)
+    return value if isinstance(value, dict) else {}
+
+
+def read_roster(dht: Any, swarm: str, owner: str) -> Roster:
+    return roster_of(
+        dht.get(members_key(swarm), latest=True), dht.get(revoked_key(swarm), latest=True), owner
     )
 
 
-class MemberGate:
-    """Decides, inside the averager's process, whether a caller may take part: it holds the key
-    (a valid proof in the DHT) and is not banned. Verified peers are cached for a while."""
+def declare_member(
+    dht: Any,
+    swarm: str,
+    credential: SwarmKey | Membership | None,
+    peer_id: PeerID,
+    wait: bool = False,
+    revocations: Revocations | None = None,
+) -> None:
+    """Publish this peer's certificate (refreshed with its status), and a copy of the newest
+    revocation list it knows, so the list outlives whoever published it. `wait` at start, so the
+    gates know this peer before it asks anything of them."""
+    membership = as_membership(credential, peer_id.to_base58())
+    if membership is None:
+        return
+    subkey = own_subkey(membership.private_key)
+    expires = get_dht_time() + PROOF_TTL_S
+    cert = membership.certificate(peer_id.to_base58())
+    dht.store(members_key(swarm), cert.to_text(), expires, subkey, return_future=not wait)
+    if revocations is not None:
+        dht.store(revoked_key(swarm), revocations.to_text(), expires, subkey, return_future=True)
 
-    def __init__(self, key: SwarmKey | None, swarm: str) -> None:
-        self.key = key
+
+# --- the averaging and state-download gates -------------------------------------------------------
+
+
+class MemberGate:
+    """Decides, inside the averager's process, whether a caller may take part: a valid,
+    unrevoked certificate in the DHT names its peer ID, and its member is not banned. A ban
+    follows the member: every peer ID its certificates name. Verified peers are cached a while."""
+
+    def __init__(self, credential: SwarmKey | Membership | None, swarm: str) -> None:
+        membership = as_membership(credential, "gate")
+        self.owner = membership.owner if membership is not None else None
         self.swarm = swarm
         self.banned: set[PeerID] = set()
-        self._verified: dict[PeerID, float] = {}
+        self.banned_members: set[str] = set()
+        self._verified: dict[PeerID, tuple[float, str]] = {}
 
     def ban(self, peer_id: PeerID) -> None:
         self.banned.add(peer_id)
+        verified = self._verified.get(peer_id)
+        if verified is not None:
+            self.banned_members.add(verified[1])
 
     async def allows(self, dht: Any, peer_id: PeerID) -> bool:
         if peer_id in self.banned:
             return False
-        if self.key is None:
+        if self.owner is None:
             return True
         now = time.monotonic()
-        if self._verified.get(peer_id, 0.0) > now:
-            return True
-        try:
-            found = await dht.get(members_key(self.swarm), latest=True, return_future=True)
-        except Exception:
+        until, member = self._verified.get(peer_id, (0.0, ""))
+        if until <= now:
+            try:
+                members = await dht.get(members_key(self.swarm), latest=True, return_future=True)
+                revoked = await dht.get(revoked_key(self.swarm), latest=True, return_future=True)
+            except Exception:
+                return False
+            cert = roster_of(members, revoked, self.owner).of_peer(peer_id.to_base58())
+            if cert is None:
+                return False
+            member = cert.member
+            self._verified[peer_id] = (now + PROOF_TTL_S, member)
+        if member in self.banned_members:
+            self.banned.add(peer_id)
             return False
-        entries = getattr(found, "value", None)
-        entry = entries.get(peer_id.to_base58()) if isinstance(entries, dict) else None
-        proof = getattr(entry, "value", None)
-        if not isinstance(proof, str) or len(proof) != 64:
-            return False
-        try:
-            ok = hmac.compare_digest(bytes.fromhex(proof), member_proof(self.key, peer_id))
-        except ValueError:
-            return False
-        if ok:
-            self._verified[peer_id] = now + PROOF_TTL_S
-        return ok
+        return True

@@ -53,12 +53,14 @@ from hivemind.compression import (
 )
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
+from atomtrain.peer.download import download_from
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, capped_weights
 from atomtrain.peer.sync import in_sync_flags
@@ -322,10 +324,14 @@ class ProbedAverager:
                 return out
             out.append((self.names.get(peer_id) or peer_id, why))
 
-    def download_state(self, timeout_s: float, wait: bool = True) -> Any:
-        """(metadata, tensors) from the most advanced peer, or None; with wait=False, a future
-        of that."""
-        return self.averager.load_state_from_peers(wait=wait, timeout=timeout_s)
+    def download_state(self, timeout_s: float, sources: list[str], wait: bool = True) -> Any:
+        """(metadata, tensors) from the first of `sources` (peer IDs, best first: state.py) that
+        serves one, or None; with wait=False, a future of that."""
+        future = MPFuture()
+        self.averager._outer_pipe.send(
+            ("_download_from", [], dict(sources=list(sources), timeout_s=timeout_s, future=future))
+        )
+        return future.result(timeout=timeout_s * max(len(sources), 1)) if wait else future
 
     def shutdown(self) -> None:
         self.cancel()
@@ -376,6 +382,15 @@ class GuardedAverager(DecentralizedAverager):
     def get_current_state(self):
         metadata, tensors = self._provider()
         return metadata, tensors, None
+
+    async def _declare_for_download_periodically(self):
+        """hivemind's unsigned priority record is not written (download.py)."""
+
+    async def _download_from(self, sources: list[str], timeout_s: float, future: MPFuture):
+        try:
+            future.set_result(await download_from(self, sources, timeout_s))
+        except BaseException as e:
+            future.set_exception(e)
 
     def _reject(self, peer_id: PeerID, why: str) -> None:
         if peer_id not in self._gate.banned:

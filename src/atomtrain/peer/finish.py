@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LINGER_S = 10.0
-REPRESENTATIVE = 1e9
-"""State-sharing priority of the peer whose last-round result every finisher takes."""
 
 
 class Finisher:
@@ -64,8 +62,7 @@ class Finisher:
         elif smallest in (peer.last_group_ids if group > 1 else [peer.peer_id]):
             # several groups (a swarm larger than a group) or peers left out: every finisher
             # takes the result of the group holding the smallest peer ID, served from here
-            assert peer.averager is not None
-            peer.averager.averager.state_sharing_priority = REPRESENTATIVE
+            # (they ask that peer first: state_sources)
             self._linger()
         else:
             self._adopt_final_state(record, smallest)
@@ -79,7 +76,7 @@ class Finisher:
         ahead = max(s.round for s in others)
         if ahead <= peer.round:
             return
-        state = peer.averager.download_state(timeout_s=peer.cfg.state_timeout_s)
+        state = peer.averager.download_state(peer.cfg.state_timeout_s, peer.state_sources())
         problem = peer.checker.problem(state, min_round=ahead)
         if problem is not None:
             log.warning("could not catch up with the swarm before the last round: %s", problem)
@@ -107,7 +104,8 @@ class Finisher:
             if any(s.done for s in peer.live_others() if s.peer_id == representative):
                 break
             time.sleep(0.25)
-        state = peer.averager.download_state(timeout_s=peer.cfg.state_timeout_s)
+        sources = peer.state_sources(first=representative)
+        state = peer.averager.download_state(peer.cfg.state_timeout_s, sources)
         problem = peer.checker.problem(state)
         if problem is not None:
             log.warning("left out of the last round and took no result: %s", problem)

@@ -41,12 +41,20 @@ from hivemind import DHT
 from atomtrain.config import PeerSection
 from atomtrain.errors import AtomError
 from atomtrain.peer.attack import check_attack, poison
-from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, declare_member, load_swarm_key
+from atomtrain.peer.auth import (
+    MemberGate,
+    Membership,
+    declare_member,
+    load_membership,
+    note_revoked,
+    read_roster,
+)
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed, RoundResult
 from atomtrain.peer.finish import Finisher
 from atomtrain.peer.hygiene import start_watchdog
 from atomtrain.peer.layout import Sketcher, assign, cut_pieces, digest, flatten
 from atomtrain.peer.outer import OuterNesterov
+from atomtrain.peer.records import own_subkey, swarm_validators
 from atomtrain.peer.robust import Defence
 from atomtrain.peer.rounds import (
     Contribution,
@@ -56,7 +64,7 @@ from atomtrain.peer.rounds import (
     shift_to_own_share,
     write_contribution,
 )
-from atomtrain.peer.state import StateCheck
+from atomtrain.peer.state import StateCheck, download_sources
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.peer.traffic import RateMeter
 from atomtrain.peer.wire import WireMeter, daemon_meter
@@ -130,7 +138,13 @@ class PeerRuntime:
         self.init_digest = digest(self.theta_sync)
         check_attack(cfg.attack)
         self._initial = self.theta_sync.clone() if cfg.attack == "stale" else None
-        self.key = load_swarm_key(cfg.swarm_key, consume_env=True)
+        self.membership: Membership | None = load_membership(
+            cfg.swarm_key, cfg.swarm_cert, cfg.identity, name
+        )
+        self.owner = self.membership.owner if self.membership else None
+        self._signing_key = self.membership.private_key if self.membership else None
+        self._revocations: Any = None
+        self._known_others: list[PeerStatus] = []
         self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
         self.lock = threading.Lock()  # theta_sync, momentum, round: training vs state serving
@@ -188,17 +202,21 @@ class PeerRuntime:
         self.train_state = state or TrainState()
         self.watchdog = start_watchdog()
         initial = [a.strip() for a in self.cfg.join.split(",") if a.strip()]
-        if self.key is None:
+        if self.membership is None:
             log.warning(
                 "swarm %s is open: any peer that reaches this one can join it "
                 "(make a key with `atomtrain keygen` and pass --swarm-key)",
                 self.cfg.swarm,
             )
         else:
-            log.info("swarm key %s: only peers holding it take part", self.key.fingerprint())
+            log.info(
+                "swarm of owner %s: only members it admitted take part (this one: %s)",
+                self.membership.owner[:8],
+                self.membership.member,
+            )
         self.dht = self._start_dht(initial)
         self.wire = daemon_meter(self.dht.pid)
-        declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id, wait=True)
+        declare_member(self.dht, self.cfg.swarm, self.membership, self.dht.peer_id, wait=True)
         self.peer_id = self.dht.peer_id.to_base58()
         self.averager = ProbedAverager(
             self.dht,
@@ -209,7 +227,7 @@ class PeerRuntime:
             self.cfg.averaging_timeout_s,
             self.cfg.target_group_size,
             self._shared_state,
-            MemberGate(self.key, self.cfg.swarm),
+            MemberGate(self.membership, self.cfg.swarm),
             Defence(min_scale=self.lr * MIN_SCALE_STEPS) if self.cfg.defend else None,
         )
         self.checker = StateCheck(self)
@@ -235,6 +253,10 @@ class PeerRuntime:
         """The DHT, joined to `initial` (retried while those peers may still be starting)."""
         deadline = time.time() + self.cfg.join_timeout_s
         identity = {"identity_path": self.cfg.identity} if self.cfg.identity else {}
+        from hivemind.utils.crypto import RSAPrivateKey
+
+        signing = self._signing_key or RSAPrivateKey.process_wide()  # open swarms sign too
+        self._subkey = own_subkey(signing)
         warned = False
         while True:
             try:
@@ -242,7 +264,8 @@ class PeerRuntime:
                     initial_peers=initial,
                     host_maddrs=[f"/ip4/{self.cfg.host}/tcp/{self.cfg.port}"],
                     start=True,
-                    authorizer=SwarmAuthorizer(self.key) if self.key else None,
+                    authorizer=self.membership.authorizer() if self.membership else None,
+                    record_validators=swarm_validators(self.cfg.swarm, signing),
                     startup_timeout=P2PD_STARTUP_S,
                     **identity,
                 )
@@ -284,16 +307,39 @@ class PeerRuntime:
         while not self._stop_publishing.wait(PUBLISH_EVERY_S):
             try:
                 self._publish(self._step)
-                if self.dht is not None:
-                    declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id)
+                self._refresh_membership()
             except Exception as e:  # the DHT going away at shutdown
                 log.debug("status not published: %s", e)
+
+    def _refresh_membership(self) -> None:
+        """Republish this peer's certificate and the newest revocation list; hand the list to
+        the DHT's gate; note who is live (whom a download asks: state_sources)."""
+        if self.dht is None:
+            return
+        self._known_others = self.live_others()
+        if self.membership is None:
+            return
+        declare_member(
+            self.dht, self.cfg.swarm, self.membership, self.dht.peer_id, False, self._revocations
+        )
+        newest = read_roster(self.dht, self.cfg.swarm, self.membership.owner).revocations
+        if newest is not None and newest != self._revocations:
+            self._revocations = newest
+            note_revoked(self.dht, newest.members)
+            if self.membership.member in newest.members:
+                log.warning("the owner revoked this member (%s)", self.membership.member)
+
+    def state_sources(self, first: str = "") -> list[str]:
+        """Whom a state download asks, best first (state.py); `first` before all others."""
+        others = self._known_others or self.live_others()
+        sources = download_sources(others, self.peer_id)
+        return [first, *[s for s in sources if s != first]] if first else sources
 
     def _wait_for_peers(self) -> None:
         assert self.dht is not None
         deadline = time.time() + 60.0
         while self.cfg.wait_for > 1 and time.time() < deadline:
-            present = len(read_statuses(self.dht, self.cfg.swarm))
+            present = len(read_statuses(self.dht, self.cfg.swarm, self.owner))
             if present >= self.cfg.wait_for:
                 return
             time.sleep(0.5)
@@ -327,7 +373,8 @@ class PeerRuntime:
             )
             return
         for _ in range(6):  # a fresh swarm may not have declared its state yet
-            state = self.averager.download_state(timeout_s=self.cfg.state_timeout_s)
+            sources = download_sources(statuses, self.peer_id)
+            state = self.averager.download_state(self.cfg.state_timeout_s, sources)
             problem = self.checker.problem(state, min_round=swarm_round - 1)
             if problem is None:
                 self._load(state[0], list(state[1]), mode="replace")
@@ -349,7 +396,7 @@ class PeerRuntime:
             now = time.time()  # a dead peer's record lingers until it expires: not counted
             others = [
                 s
-                for s in read_statuses(self.dht, self.cfg.swarm)
+                for s in read_statuses(self.dht, self.cfg.swarm, self.owner)
                 if s.name != self.name and s.fresh(now, 3 * PUBLISH_EVERY_S)
             ]
             if others or time.time() > deadline:
@@ -385,8 +432,6 @@ class PeerRuntime:
         if "step" in meta and self.train_state is not None:
             # the learning-rate schedule follows the swarm's progress, not this peer's steps
             self.train_state.schedule_offset = int(meta["step"]) - self.train_state.step
-        if self.averager is not None:  # joiners ask the most advanced peer first
-            self.averager.averager.state_sharing_priority = float(self.round)
 
     def extra_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """For checkpoints: round counter, synchronized parameters, outer momentum. Taken while
@@ -619,7 +664,6 @@ class PeerRuntime:
             self._share = 0.0
             self.round += 1
             self._sketch = self.sketcher.of(self.theta_sync)
-        self.averager.averager.state_sharing_priority = float(self.round)
         self.steps_since_round -= self._round_steps  # steps made meanwhile count for the next
         self.round_tokens -= self._round_tokens
         self.last_sync = time.time()
@@ -690,7 +734,9 @@ class PeerRuntime:
             self.round,
         )
         self._resync_round = max(int(g.get("round", 0)) for g in result.peers)
-        self._resync = self.averager.download_state(self.cfg.state_timeout_s, wait=False)
+        self._resync = self.averager.download_state(
+            self.cfg.state_timeout_s, self.state_sources(), wait=False
+        )
 
     def _poll_resync(self, record: dict[str, Any]) -> None:
         if self._resync is None or not self._resync.done():
@@ -730,7 +776,7 @@ class PeerRuntime:
         now = time.time()
         return [
             s
-            for s in read_statuses(self.dht, self.cfg.swarm)
+            for s in read_statuses(self.dht, self.cfg.swarm, self.owner)
             if s.peer_id != self.peer_id and s.fresh(now, 3 * PUBLISH_EVERY_S)
         ]
 
@@ -751,7 +797,7 @@ class PeerRuntime:
         publish(
             self.dht,
             self.cfg.swarm,
-            self.peer_id,
+            self._subkey,
             PeerStatus(
                 name=self.name,
                 round=self.round,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,3 +49,15 @@ class StateCheck:
         if self.defend and meta["round"] < min_round:
             return f"the serving peer is behind (round {meta['round']})"
         return None
+
+
+def download_sources(statuses: list[PeerStatus], own_peer_id: str = "") -> list[str]:
+    """Whom to download the swarm's state from, best first: the most advanced peers, each one's
+    claimed round capped at the round most live peers are at (so one member claiming a huge
+    round is no better a source than an honest peer), ties in random order."""
+    others = [s for s in statuses if s.peer_id and s.peer_id != own_peer_id]
+    if not others:
+        return []
+    cap = StateCheck.swarm_round(others)
+    ranked = sorted(others, key=lambda s: (min(s.round, cap), random.random()), reverse=True)
+    return [s.peer_id for s in ranked]

@@ -9,6 +9,9 @@ from typing import Any
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
+from atomtrain.peer.auth import read_roster
+from atomtrain.peer.records import signer_of
+
 STATUS_TTL_S = 30.0
 
 
@@ -106,29 +109,39 @@ def status_key(swarm: str) -> str:
     return f"{swarm}_status"
 
 
-def publish(dht: DHT, swarm: str, peer_id: str, status: PeerStatus) -> None:
-    """Store this peer's record under its own peer ID, so no two peers share one."""
+def publish(dht: DHT, swarm: str, subkey: bytes, status: PeerStatus) -> Any:
+    """Store this peer's record under its own signed subkey (records.py), so no peer can write
+    another's; a future of whether it was stored."""
     record = asdict(status)
     record["addrs"] = list(status.addrs)
     record["rejected"] = list(status.rejected)
-    dht.store(
+    return dht.store(
         status_key(swarm),
-        subkey=peer_id,
+        subkey=subkey,
         value=record,
         expiration_time=get_dht_time() + STATUS_TTL_S,
         return_future=True,
     )
 
 
-def read_statuses(dht: DHT, swarm: str) -> list[PeerStatus]:
+def read_statuses(dht: DHT, swarm: str, owner: str | None = None) -> list[PeerStatus]:
+    """The peers' records. In a keyed swarm (`owner`), only those whose signer holds a valid
+    certificate for the peer ID the record claims: no member speaks for another."""
     found = dht.get(status_key(swarm), latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
+    roster = read_roster(dht, swarm, owner) if owner is not None else None
     out = []
-    for item in found.value.values():
+    for subkey, item in found.value.items():
         st = PeerStatus.from_record(getattr(item, "value", None))
-        if st is not None:
-            out.append(st)
+        signer = signer_of(subkey)
+        if st is None or signer is None:
+            continue
+        if roster is not None:
+            cert = roster.by_signer.get(signer)
+            if cert is None or cert.peer_id != st.peer_id:
+                continue
+        out.append(st)
     return sorted(out, key=lambda s: s.name)
 
 

@@ -1,0 +1,53 @@
+"""A joiner's download of the swarm's state, from peers it chose itself.
+
+hivemind's averager downloads from whoever claims the highest priority in an unsigned DHT record
+(`{prefix}.all_averagers`) that any member may write for itself, or for another. Atom's averagers
+declare nothing there; the runtime picks its sources from the signed status records instead, each
+peer's claim bounded by the round the swarm agrees on (state.py), and this asks them in order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
+
+log = logging.getLogger(__name__)
+
+
+async def download_from(averager: Any, sources: list[str], timeout_s: float | None) -> Any:
+    """(metadata, tensors) from the first of `sources` (base58 peer IDs) that serves a state,
+    or None."""
+    for source in sources:
+        try:
+            peer = PeerID.from_base58(source)
+        except Exception:
+            continue
+        if peer == averager.peer_id:
+            continue
+        try:
+            stub = averager.get_stub(averager._p2p, peer, namespace=averager.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata: Any = None
+            tensors: list[Any] = []
+            parts: list[Any] = []
+            async for message in aiter_with_timeout(stream, timeout=timeout_s):
+                if message.metadata:
+                    metadata = averager.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # the start of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            if metadata:
+                return metadata, tensors
+            log.debug("peer %s did not send its state", source)
+        except Exception as e:
+            log.debug("no state from %s: %s", source, e)
+    return None

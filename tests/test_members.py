@@ -1,0 +1,232 @@
+"""Keyed swarms by certificate (issue 12, items 3 and 4): a member cannot admit new identities,
+bans and revocations follow the member, and no member can write another's DHT records."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from pathlib import Path
+
+import pytest
+from hivemind import DHT
+from hivemind.p2p import PeerID
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from atomtrain.errors import AtomError
+from atomtrain.peer.auth import (
+    MemberGate,
+    Membership,
+    SwarmKey,
+    declare_member,
+    members_key,
+    note_revoked,
+    read_roster,
+    revoked_key,
+)
+from atomtrain.peer.certs import issue, read_identity, revoke, write_new_identity
+from atomtrain.peer.records import own_subkey
+from atomtrain.peer.state import download_sources
+from atomtrain.peer.status import PeerStatus, publish, read_statuses, status_key
+
+SWARM = "mem"
+
+
+def admit(key: SwarmKey, tmp_path: Path, member: str) -> tuple[Membership, str]:
+    """A member the owner admitted: (its membership, its identity file)."""
+    identity = write_new_identity(tmp_path / f"{member}-{secrets.token_hex(3)}.id")
+    cert = issue(key.secret, member, identity.public_key, identity.peer_id)
+    cert_file = tmp_path / f"{identity.peer_id}.cert"
+    cert_file.write_text(cert.to_text())
+    return Membership.admitted(str(cert_file), identity.path), identity.path
+
+
+def start_dht(m: Membership, initial: list[str], identity: str = "") -> DHT:
+    return DHT(
+        initial_peers=initial,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        start=True,
+        authorizer=m.authorizer(),
+        record_validators=m.validators(SWARM),
+        **({"identity_path": identity} if identity else {}),
+    )
+
+
+class AwaitableDHT:
+    """The DHT as the gate sees it in the averager's process (gets it can await)."""
+
+    def __init__(self, dht: DHT) -> None:
+        self.dht = dht
+
+    def get(self, key: str, latest: bool, return_future: bool):
+        async def got():
+            return self.dht.get(key, latest=latest)
+
+        return got()
+
+
+def allows(gate: MemberGate, dht: DHT, peer_id: str) -> bool:
+    return asyncio.run(gate.allows(AwaitableDHT(dht), PeerID.from_base58(peer_id)))
+
+
+def test_only_the_owner_admits_and_bans_and_revocations_follow_the_member(tmp_path: Path):
+    key = SwarmKey(secrets.token_bytes(32))
+    owner = Membership.of_owner(key, "owner", RSAPrivateKey())
+    alice, alice_id = admit(key, tmp_path, "alice")
+    alice2, alice2_id = admit(key, tmp_path, "alice")  # a second machine of alice's
+    bob, bob_id = admit(key, tmp_path, "bob")
+    # a member holds no owner key: its certificate serves its own identity only, so a sybil
+    # (a new peer ID) needs the owner's signature
+    sybil = write_new_identity(tmp_path / "sybil.id")
+    (tmp_path / "alice.cert").write_text(alice.certificate().to_text())
+    with pytest.raises(AtomError, match="was issued for peer"):
+        Membership.admitted(str(tmp_path / "alice.cert"), sybil.path)
+    (tmp_path / "loose.id").write_bytes(Path(sybil.path).read_bytes())
+    (tmp_path / "loose.id").chmod(0o644)
+    with pytest.raises(AtomError, match="readable by others.*chmod 600"):
+        read_identity(str(tmp_path / "loose.id"))
+
+    host = start_dht(owner, [])
+    addrs = [str(a) for a in host.get_visible_maddrs()]
+    others: list[DHT] = []
+    try:
+        # the DHT gate: alice's certificate behind another signing key is refused
+        stolen = Membership(alice.owner, sybil.private_key, "alice", cert=alice.certificate())
+        with pytest.raises(RuntimeError, match="bootstrap failed"):
+            DHT(initial_peers=addrs, start=True, authorizer=stolen.authorizer())
+        members = [(alice, alice_id), (alice2, alice2_id), (bob, bob_id)]
+        for m, identity in members:
+            others.append(start_dht(m, addrs, identity))
+            declare_member(others[-1], SWARM, m, others[-1].peer_id, wait=True)
+        ids = [dht.peer_id.to_base58() for dht in others]
+        # the averaging gate: members pass, the sybil's peer ID does not
+        gate = MemberGate(owner, SWARM)
+        assert [allows(gate, host, p) for p in ids] == [True, True, True]
+        assert not allows(gate, host, sybil.peer_id)
+        # a ban follows the member: alice's other peer ID is refused too; bob is not
+        gate.ban(PeerID.from_base58(ids[0]))
+        assert [allows(gate, host, p) for p in ids] == [False, False, True]
+        # the owner revokes bob: the signed list in the DHT closes the averaging gate...
+        revoked = revoke(key.secret, ["bob"], None)
+        expires = get_dht_time() + 60
+        assert host.store(
+            revoked_key(SWARM), revoked.to_text(), expires, own_subkey(owner.private_key)
+        )
+        assert read_roster(others[0], SWARM, key.owner()).revocations == revoked
+        assert not allows(MemberGate(owner, SWARM), host, ids[2])
+        # ...and, handed to the DHT's process, the DHT gate
+        note_revoked(host, revoked.members)
+        with pytest.raises(RuntimeError, match="bootstrap failed"):
+            DHT(initial_peers=addrs, start=True, authorizer=bob.authorizer())
+        # a list the owner did not sign changes nothing
+        forged = revoke(secrets.token_bytes(32), ["alice"], None)
+        others[1].store(
+            revoked_key(SWARM), forged.to_text(), expires, own_subkey(alice2.private_key)
+        )
+        assert read_roster(host, SWARM, key.owner()).revocations == revoked
+    finally:
+        for dht in others:
+            dht.shutdown()
+        host.shutdown()
+
+
+def status(name: str, peer_id: str, round_: int) -> PeerStatus:
+    return PeerStatus(name, round_, 10 * round_, 2.0, 100.0, 0.0, peer_id=peer_id, updated=1.0)
+
+
+def test_no_member_writes_or_forges_another_members_records(tmp_path: Path):
+    key = SwarmKey(secrets.token_bytes(32))
+    victim_m = Membership.of_owner(key, "victim", RSAPrivateKey())
+    mallory_m, mallory_id = admit(key, tmp_path, "mallory")  # a member, not the owner
+    victim = start_dht(victim_m, [])
+    mallory = start_dht(mallory_m, [str(a) for a in victim.get_visible_maddrs()], mallory_id)
+    try:
+        vid = victim.peer_id.to_base58()
+        declare_member(victim, SWARM, victim_m, victim.peer_id, wait=True)
+        declare_member(mallory, SWARM, mallory_m, mallory.peer_id, wait=True)
+        assert publish(
+            victim, SWARM, own_subkey(victim_m.private_key), status("victim", vid, 5)
+        ).result()
+        honest = read_statuses(victim, SWARM, key.owner())
+        assert [(s.name, s.round) for s in honest] == [("victim", 5)]
+        # mallory writes over every record it sees: later expiry, its own certificate as the
+        # victim's proof, a status moving the round and finish flags
+        later = get_dht_time() + 600
+        forged = {
+            **status("victim", vid, 10**6).__dict__,
+            "done": True,
+            "addrs": [],
+            "rejected": [],
+        }
+        for k, value in (
+            (members_key(SWARM), mallory_m.certificate().to_text()),
+            (status_key(SWARM), forged),
+        ):
+            found = mallory.get(k, latest=True)
+            assert found is not None
+            for subkey in found.value:
+                mallory.store(k, value, later, subkey)
+        # ...or, under its own subkey, a status that claims the victim's peer ID
+        mine = own_subkey(mallory_m.private_key)
+        assert publish(mallory, SWARM, mine, status("victim", vid, 10**6)).result()
+        # ...or a record of the wrong shape
+        assert not mallory.store(
+            status_key(SWARM), "junk", later, own_subkey(mallory_m.private_key)
+        )
+        for reader in (victim, mallory):
+            assert [
+                (s.name, s.round, s.done) for s in read_statuses(reader, SWARM, key.owner())
+            ] == [("victim", 5, False)]
+            roster = read_roster(reader, SWARM, key.owner())
+            assert roster.of_peer(vid).member == "victim"
+    finally:
+        mallory.shutdown()
+        victim.shutdown()
+
+
+def test_a_joiner_ranks_sources_by_rounds_capped_at_the_swarms():
+    honest = [status(f"h{i}", f"H{i}", 7) for i in range(3)]
+    liar = status("liar", "L", 10**9)  # claims a huge round (a huge state-sharing priority)
+    behind = status("behind", "B", 3)
+    for _ in range(20):
+        ranked = download_sources([*honest, liar, behind], own_peer_id="H0")
+        assert "H0" not in ranked and ranked[-1] == "B"  # itself never; the peer behind last
+        assert set(ranked[:3]) == {"H1", "H2", "L"}  # the liar no better than an honest peer
+    assert {download_sources([*honest, liar])[0] for _ in range(60)} == {"H0", "H1", "H2", "L"}
+
+
+def test_keygen_admit_and_a_certificate_for_another_identity_from_the_command_line(tmp_path):
+    from .conftest import run_cli
+
+    assert run_cli("keygen", "swarm.key", cwd=tmp_path).returncode == 0
+    made = run_cli("keygen", "--member", "alice.id", cwd=tmp_path)
+    assert made.returncode == 0 and "alice.id.pub" in made.stdout, made.stderr
+    admitted = run_cli(
+        "admit", "alice.id.pub", "--member", "alice", "--swarm-key", "swarm.key", cwd=tmp_path
+    )
+    assert admitted.returncode == 0 and (tmp_path / "alice.cert").is_file(), admitted.stderr
+    m = Membership.admitted(str(tmp_path / "alice.cert"), str(tmp_path / "alice.id"))
+    assert m.member == "alice" and m.owner == read_key(tmp_path / "swarm.key").owner()
+    assert run_cli("keygen", "--member", "other.id", cwd=tmp_path).returncode == 0
+    for identity, message in (("other.id", "was issued for peer"), ("", "needs --peer.identity")):
+        out = run_cli(
+            "train",
+            "--swarm",
+            "s",
+            "--swarm-cert",
+            "alice.cert",
+            f"--peer.identity={identity}",
+            "--train.steps=1",
+            cwd=tmp_path,
+        )
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr
+    bad = run_cli("admit", "swarm.key", "--member", "x", "--swarm-key", "swarm.key", cwd=tmp_path)
+    assert bad.returncode == 2 and "is not a member's public key" in bad.stderr
+
+
+def read_key(path: Path) -> SwarmKey:
+    from atomtrain.peer.auth import load_swarm_key
+
+    key = load_swarm_key(str(path))
+    assert key is not None
+    return key
