@@ -17,9 +17,13 @@ from pathlib import Path
 
 from atomtrain.bench.attack_report import SwarmRun, attack_report, final_loss
 from atomtrain.peer.attack import ATTACKS
-from atomtrain.peer.auth import KEY_ENV, write_new_key
+from atomtrain.peer.auth import KEY_ENV, load_swarm_key, write_new_key
+from atomtrain.peer.certs import issue, write_new_identity
 from atomtrain.peer.launcher import Swarm
 from atomtrain.train.metrics import read_metrics
+
+SYBILS = 2
+"""Identities a sybil attacker adds to its own (3 in all, from one member)."""
 
 
 @dataclass(frozen=True)
@@ -84,17 +88,32 @@ def _intruders_refused(cfg: AttackConfig, out: Path, addr: str, other_key: Path)
     return all(refused)
 
 
+def admit_attacker(out: Path, key: Path) -> list[str]:
+    """The attacker is a member the owner admitted (it holds a certificate, not the owner's
+    key): what it may do is what any admitted member may."""
+    identity = out / "attacker.id"
+    member = write_new_identity(identity, force=True)
+    cert = issue(load_swarm_key(str(key)).secret, "attacker", member.public_key, member.peer_id)  # type: ignore[union-attr]
+    (out / "attacker.cert").write_text(cert.to_text() + "\n")
+    return [f"--peer.swarm_cert={out / 'attacker.cert'}", f"--peer.identity={identity}"]
+
+
 def run_case(
     cfg: AttackConfig, out: Path, key: Path, attack: str, defend: bool, seed: int
 ) -> SwarmRun:
     """One swarm: the honest peers, and with `attack` one more peer that attacks."""
     name = f"s{seed}-{attack or 'clean'}-{'defended' if defend else 'undefended'}"
     n = cfg.honest + (1 if attack else 0)
-    swarm = Swarm(name, out, name, _common(cfg, key, defend, seed), wait_for=n, expected=n)
+    # a sybil attack: the member's own process sends sign-flipped updates, and SYBILS more
+    # processes with its certificate under new peer IDs try to add their weight to it
+    sybils = SYBILS if attack == "sybil" else 0
+    swarm = Swarm(name, out, name, _common(cfg, key, defend, seed), wait_for=n, expected=n + sybils)
     try:
         addr = swarm.wait_addr(swarm.launch(0, n, None))
-        for i in range(1, n):
-            extra = [f"--peer.attack={attack}"] if attack and i == n - 1 else None
+        member = admit_attacker(out, key) if attack else []
+        for i in range(1, n + sybils):
+            kind = "sign_flip" if attack == "sybil" and i == n - 1 else attack
+            extra = [*member, f"--peer.attack={kind}"] if attack and i >= n - 1 else None
             swarm.launch(i, n, addr, extra)
         _wait(swarm, 900)
     finally:
@@ -108,6 +127,7 @@ def _records(swarm: Swarm, honest: int) -> SwarmRun:
     return SwarmRun(
         honest=names[:honest],
         attacker=names[honest] if len(names) > honest else None,
+        sybils=names[honest + 1 :],
         records=[read_metrics(p.run_dir / "metrics.jsonl") for p in swarm.peers[:honest]],
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 Records = list[dict[str, Any]]
@@ -22,6 +22,8 @@ class SwarmRun:
     attacker: str | None
     records: list[Records]
     """Each honest peer's metrics.jsonl records."""
+    sybils: list[str] = field(default_factory=list)
+    """More identities of the attacker's member (a sybil attack)."""
 
 
 def final_loss(run: SwarmRun) -> float | None:
@@ -61,11 +63,16 @@ def neutralized(run: SwarmRun) -> dict[str, Any]:
             "rounds_applied_with_attacker": 0,
         }
     seen = [rounds_with_attacker(log, run.attacker) for log in run.records]
-    return {
+    out = {
         "rounds_until_rejected": max(n for n, _ in seen) if all(r for _, r in seen) else None,
         "rejected_by_all": all(r for _, r in seen),
         "rounds_applied_with_attacker": max((n for n, _ in seen), default=0),
     }
+    if run.sybils:  # rounds an honest peer applied with one of the sybils in its group
+        out["rounds_applied_with_sybils"] = max(
+            sum(1 for r in log if set(r.get("group", ())) & set(run.sybils)) for log in run.records
+        )
+    return out
 
 
 def spread(values: list[float | None]) -> dict[str, Any]:

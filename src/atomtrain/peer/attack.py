@@ -12,7 +12,21 @@ import torch
 
 from atomtrain.errors import AtomError
 
-ATTACKS = ("nan", "scale", "noise", "stale", "sign_flip", "alie", "ipm", "label_flip")
+ATTACKS = (
+    "nan",
+    "scale",
+    "noise",
+    "stale",
+    "sign_flip",
+    "alie",
+    "ipm",
+    "label_flip",
+    "sybil",
+    "dht_overwrite",
+)
+"""`sybil`: a process that takes part under a new peer ID with its member's certificate (and
+signing key), sending sign-flipped updates; `dht_overwrite`: a member that trains honestly and
+writes over every other peer's status and certificate in the DHT."""
 ALIE_Z = 1.0
 """How many honest standard deviations "a little is enough" (Baruch et al., 2019) moves each
 coordinate: z = 1, as in its evaluations, where the rule max over (n - s)/n gives z <= 0 for a
@@ -36,7 +50,7 @@ def poison(kind: str, delta: torch.Tensor) -> torch.Tensor:
     if kind == "noise":  # random noise a hundred times the size of an honest update
         rms = float(delta.pow(2).mean().sqrt()) or 1e-3
         return torch.randn_like(delta) * (100 * rms)
-    if kind == "sign_flip":  # the honest update, reversed
+    if kind in ("sign_flip", "sybil"):  # the honest update, reversed
         return -delta
     if kind == "alie":
         # the attacker's own update estimates the honest mean and |update| each coordinate's
@@ -61,3 +75,35 @@ class LabelFlippedLoader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
+
+
+def overwrite_records(dht: Any, swarm: str, own_certificate: str) -> None:
+    """`dht_overwrite`: every status and certificate record of the swarm written over, under
+    its writer's subkey with a later expiry: statuses that say their peer is far ahead and done,
+    this member's certificate in place of theirs. (This peer's own DHT node signs nothing that
+    is not its own; the nodes that store the records decide.)"""
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from atomtrain.peer.auth import members_key
+    from atomtrain.peer.status import status_key
+
+    later = get_dht_time() + 600
+
+    def forged_status(value: Any) -> Any:
+        return (
+            {**value, "round": 10**6, "done": True, "finishing": True}
+            if isinstance(value, dict)
+            else value
+        )
+
+    for key, forge in (
+        (status_key(swarm), forged_status),
+        (members_key(swarm), lambda _: own_certificate),
+    ):
+        found = dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            continue
+        for subkey, item in found.value.items():
+            dht.store(
+                key, forge(getattr(item, "value", None)), later, subkey=subkey, return_future=True
+            )

@@ -37,10 +37,11 @@ from typing import Any
 
 import torch
 from hivemind import DHT
+from hivemind.p2p import PeerID
 
 from atomtrain.config import PeerSection
 from atomtrain.errors import AtomError
-from atomtrain.peer.attack import check_attack, poison
+from atomtrain.peer.attack import check_attack, overwrite_records, poison
 from atomtrain.peer.auth import (
     MemberGate,
     Membership,
@@ -79,6 +80,9 @@ logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 PUBLISH_EVERY_S = 2.0
+READ_EVERY_S = 10.0
+"""How often a peer reads the swarm's records (who is live, certificates, revocations): each
+read brings every peer's record, so the swarm's reads grow as N^2 over this period."""
 P2PD_STARTUP_S = 60.0
 """hivemind gives its p2p daemon 15 s to start; a loaded machine (or a small CPU quota) needs
 more."""
@@ -216,7 +220,7 @@ class PeerRuntime:
             )
         self.dht = self._start_dht(initial)
         self.wire = daemon_meter(self.dht.pid)
-        declare_member(self.dht, self.cfg.swarm, self.membership, self.dht.peer_id, wait=True)
+        declare_member(self.dht, self.cfg.swarm, self.membership, self._declared_id(), wait=True)
         self.peer_id = self.dht.peer_id.to_base58()
         self.averager = ProbedAverager(
             self.dht,
@@ -252,7 +256,9 @@ class PeerRuntime:
     def _start_dht(self, initial: list[str]) -> DHT:
         """The DHT, joined to `initial` (retried while those peers may still be starting)."""
         deadline = time.time() + self.cfg.join_timeout_s
-        identity = {"identity_path": self.cfg.identity} if self.cfg.identity else {}
+        # a sybil (bench attack) takes part under a new peer ID, its member's certificate in hand
+        own_identity = self.cfg.identity and self.cfg.attack != "sybil"
+        identity = {"identity_path": self.cfg.identity} if own_identity else {}
         from hivemind.utils.crypto import RSAPrivateKey
 
         signing = self._signing_key or RSAPrivateKey.process_wide()  # open swarms sign too
@@ -304,30 +310,47 @@ class PeerRuntime:
     def _publish_loop(self) -> None:
         """Publishes from its own thread, so a peer stays visibly alive while its main thread
         waits (for a round, or for the others at the end)."""
+        last_read = 0.0
         while not self._stop_publishing.wait(PUBLISH_EVERY_S):
             try:
                 self._publish(self._step)
-                self._refresh_membership()
+                read = time.monotonic() - last_read >= READ_EVERY_S
+                self._refresh_membership(read)
+                last_read = time.monotonic() if read else last_read
             except Exception as e:  # the DHT going away at shutdown
                 log.debug("status not published: %s", e)
 
-    def _refresh_membership(self) -> None:
-        """Republish this peer's certificate and the newest revocation list; hand the list to
-        the DHT's gate; note who is live (whom a download asks: state_sources)."""
+    def _refresh_membership(self, read: bool = True) -> None:
+        """Republish this peer's certificate and the newest revocation list; with `read`, hand
+        the newest list to the DHT's gate and note who is live (whom a download asks:
+        state_sources)."""
         if self.dht is None:
             return
-        self._known_others = self.live_others()
+        if read:
+            self._known_others = self.live_others()
         if self.membership is None:
             return
         declare_member(
-            self.dht, self.cfg.swarm, self.membership, self.dht.peer_id, False, self._revocations
+            self.dht, self.cfg.swarm, self.membership, self._declared_id(), False, self._revocations
         )
+        if self.cfg.attack == "dht_overwrite":  # bench attack only
+            overwrite_records(self.dht, self.cfg.swarm, self.membership.certificate().to_text())
+        if not read:
+            return
         newest = read_roster(self.dht, self.cfg.swarm, self.membership.owner).revocations
         if newest is not None and newest != self._revocations:
             self._revocations = newest
             note_revoked(self.dht, newest.members)
             if self.membership.member in newest.members:
                 log.warning("the owner revoked this member (%s)", self.membership.member)
+
+    def _declared_id(self) -> PeerID:
+        """The peer ID this peer's certificate is published for: its own (a sybil, in bench
+        attack, publishes its member's certificate as it is, for the member's peer ID)."""
+        assert self.dht is not None
+        if self.cfg.attack == "sybil" and self.membership is not None:
+            return PeerID.from_base58(self.membership.certificate().peer_id)
+        return self.dht.peer_id
 
     def state_sources(self, first: str = "") -> list[str]:
         """Whom a state download asks, best first (state.py); `first` before all others."""
