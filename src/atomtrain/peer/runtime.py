@@ -69,6 +69,7 @@ from atomtrain.peer.state import StateCheck, download_sources
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.peer.traffic import RateMeter
 from atomtrain.peer.wire import WireMeter, daemon_meter
+from atomtrain.train.metrics import MetricsLog
 from atomtrain.train.runner import StepRunner
 from atomtrain.train.trainer import TrainState
 from atomtrain.values import atomic_write_text
@@ -847,6 +848,12 @@ class PeerRuntime:
         )
 
     def shutdown(self) -> None:
+        if self.averager is not None:  # what the peer moved after its last step's record too
+            sent, received = self.averager.traffic.totals()
+            last: dict[str, Any] = {"step": self._step, "averager_bytes": sent + received}
+            if self.wire is not None:
+                last["wire_bytes"] = sum(self.wire.totals())
+            MetricsLog(self.run_dir / "metrics.jsonl").write(last)
         if getattr(self, "_publisher", None) is not None:
             self._stop_publishing.set()
             self._publisher.join(timeout=5)
