@@ -109,12 +109,12 @@ def run_case(
     sybils = SYBILS if attack == "sybil" else 0
     swarm = Swarm(name, out, name, _common(cfg, key, defend, seed), wait_for=n, expected=n + sybils)
     try:
-        addr = swarm.wait_addr(swarm.launch(0, n, None))
+        addr = swarm.wait_addr(swarm.launch(0, n + sybils, None))
         member = admit_attacker(out, key) if attack else []
         for i in range(1, n + sybils):
             kind = "sign_flip" if attack == "sybil" and i == n - 1 else attack
             extra = [*member, f"--peer.attack={kind}"] if attack and i >= n - 1 else None
-            swarm.launch(i, n, addr, extra)
+            swarm.launch(i, n + sybils, addr, extra)
         _wait(swarm, 900)
     finally:
         if swarm.running():
