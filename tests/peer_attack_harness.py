@@ -3,7 +3,9 @@
     python peer_attack_harness.py INDEX ATTACK DEFEND WORKDIR
 
 Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start each of three rounds
-together (file barriers) and save what each round gave them to WORKDIR/out{INDEX}.pt.
+together (file barriers) and save what each round gave them to WORKDIR/out{INDEX}.pt. With `push`,
+peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and claims a
+million times the others' tokens and a thousand times their update size.
 """
 
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 import torch
 from hivemind import DHT
 
-from atomtrain.peer.attack import poison
+from atomtrain.peer.attack import claimed_tokens, poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
 from atomtrain.peer.layout import cut_pieces
@@ -80,14 +82,18 @@ def main() -> None:
         MemberGate(KEY, "atk"),
         Defence() if defend else None,
     )
-    delta = vectors(index)
+    delta, weight, rms_claim = vectors(index), 1.0, 0.0
     if index == 2:
-        delta = poison(attack, delta)
+        delta = poison(attack, honest_mean() if attack == "push" else delta)
+        weight = claimed_tokens(attack, weight)
+        rms_claim = 1e3 * float(delta.pow(2).mean().sqrt()) if attack == "push" else 0.0
     rounds, rejected = [], []
     for r in range(ROUNDS):
         barrier(work, f"round{r}_", index)
         try:
-            rounds.append({"failed": False, **averaged_round(avg, delta, 1.0, f"h{index}")})
+            rounds.append(
+                {"failed": False, **averaged_round(avg, delta, weight, f"h{index}", rms_claim)}
+            )
         except RoundFailed as e:
             rounds.append({"failed": True, "why": str(e)})
         rejected += avg.rejections()

@@ -10,7 +10,14 @@ import torch
 
 from atomtrain.errors import AtomError
 
-ATTACKS = ("nan", "scale", "noise", "stale")
+ATTACKS = ("nan", "scale", "noise", "stale", "push")
+PUSH_SIZES = 15.0
+"""A directed push moves the update this many of its own sizes in one fixed direction: inside
+the bound beyond which a reducer drops a part (robust.Defence.reject), so it is clipped, never
+dropped."""
+INFLATED_TOKENS = 1e6
+"""A pushing peer claims this many times the tokens it trained on (more weight, if weights
+followed claims)."""
 
 
 def check_attack(kind: str) -> None:
@@ -28,4 +35,13 @@ def poison(kind: str, delta: torch.Tensor) -> torch.Tensor:
     if kind == "noise":  # random noise a hundred times the size of an honest update
         rms = float(delta.pow(2).mean().sqrt()) or 1e-3
         return torch.randn_like(delta) * (100 * rms)
+    if kind == "push":  # the same direction every round (seeded by the piece's size)
+        direction = torch.randn(delta.shape, generator=torch.Generator().manual_seed(delta.numel()))
+        size = float(delta.float().norm()) or 1e-3
+        return delta + direction.to(delta) * (PUSH_SIZES * size / float(direction.norm()))
     return delta
+
+
+def claimed_tokens(kind: str, tokens: float) -> float:
+    """What a peer tells its group it trained on."""
+    return tokens * INFLATED_TOKENS if kind == "push" else tokens

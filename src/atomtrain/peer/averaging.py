@@ -59,13 +59,13 @@ from hivemind.utils.timed_storage import get_dht_time
 from atomtrain.errors import AtomError
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
+from atomtrain.peer.exact import ExactAverageRunner
 from atomtrain.peer.layout import Piece
-from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, capped_weights
+from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, equal_weights
 from atomtrain.peer.sync import in_sync_flags
 from atomtrain.peer.traffic import (
     RECEIVED,
     SENT,
-    CountedRunner,
     Traffic,
     counting_state_stubs,
 )
@@ -275,7 +275,7 @@ class ProbedAverager:
         except (KeyError, TypeError, ValueError):
             raise RoundFailed("a group member sent malformed round metadata") from None
         if self.defence is not None:
-            weights = capped_weights(weights, self.defence.weight_cap)
+            weights = equal_weights(weights)
         total = sum(weights)
         if not (total > 0 and all(map(_finite, probes))):
             raise RoundFailed("a group member sent malformed round metadata")
@@ -448,7 +448,7 @@ class GuardedAverager(DecentralizedAverager):
         held, probes = tensors
         tensors, kwargs["tensor_infos"] = round_layout(held, probes, kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
-        runner_type: type[CountedRunner] = CountedRunner
+        runner_type: type[ExactAverageRunner] = ExactAverageRunner
         extra: dict[str, Any] = {}
         if self._defence is not None:
             runner_type, extra = RobustRunner, self._robust_arguments(group_info)
@@ -464,8 +464,8 @@ class GuardedAverager(DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update.to(tensor.dtype), alpha=self._averaging_alpha)
+        async for tensor, average in azip(as_aiter(*tensors), runner):
+            tensor.copy_(average)  # the same bits on every member (exact.py)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
@@ -480,9 +480,7 @@ class GuardedAverager(DecentralizedAverager):
             except Exception:  # malformed metadata: the probe check discards the round
                 users.append({})
         ids = group_info.peer_ids
-        weights = capped_weights(
-            [_number(u.get("weight")) for u in users], self._defence.weight_cap
-        )
+        weights = equal_weights([_number(u.get("weight")) for u in users])
         return {
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),

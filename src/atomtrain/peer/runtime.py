@@ -40,7 +40,8 @@ from hivemind import DHT
 
 from atomtrain.config import PeerSection
 from atomtrain.errors import AtomError
-from atomtrain.peer.attack import check_attack, poison
+from atomtrain.peer.agreement import AgreementRecord, RoundDigest, agreement_key, parse_records
+from atomtrain.peer.attack import check_attack, claimed_tokens, poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, declare_member, load_swarm_key
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed, RoundResult
 from atomtrain.peer.finish import Finisher
@@ -161,6 +162,11 @@ class PeerRuntime:
         self._share = 0.0
         """This member's share of the running round it trains on from (rounds.py); 0: none."""
         self._resync: Any = None
+        self._resync_records: Any = None
+        self.agreement = AgreementRecord()
+        """Digests of this peer's state at its last rounds, published (agreement.py)."""
+        self._digested_round = -1
+        self._round_changed = threading.Event()  # the status thread publishes the new digests
         self.last_group_ids: list[str] = []
         self.last_sync = 0.0
         self.first_contribution_s: float | None = None
@@ -214,6 +220,7 @@ class PeerRuntime:
         if initial:
             self._catch_up()
         self._publish(self.train_state.step)
+        self._publish_agreement()
         self._write_addrs()
         self._stop_publishing = threading.Event()
         self._publisher = threading.Thread(
@@ -276,13 +283,30 @@ class PeerRuntime:
     def _publish_loop(self) -> None:
         """Publishes from its own thread, so a peer stays visibly alive while its main thread
         waits (for a round, or for the others at the end)."""
-        while not self._stop_publishing.wait(PUBLISH_EVERY_S):
+        while not self._stop_publishing.is_set():
+            self._round_changed.wait(PUBLISH_EVERY_S)
+            self._round_changed.clear()
+            if self._stop_publishing.is_set():
+                break
             try:
                 self._publish(self._step)
+                self._publish_agreement()
                 if self.dht is not None:
                     declare_member(self.dht, self.cfg.swarm, self.key, self.dht.peer_id)
             except Exception as e:  # the DHT going away at shutdown
                 log.debug("status not published: %s", e)
+
+    def _publish_agreement(self) -> None:
+        """Digests of the synchronized state at this peer's last rounds, for joiners to check a
+        downloaded state against (defended swarms only: hashing costs a pass over the state)."""
+        if not self.cfg.defend or self.dht is None:
+            return
+        if self.round != self._digested_round:
+            with self.lock:
+                r, theta, momentum = self.round, self.theta_sync.clone(), self.outer.buf.clone()
+            self.agreement.add(RoundDigest.of(r, theta, momentum))
+            self._digested_round = r
+        self.agreement.publish(self.dht, self.cfg.swarm, self.peer_id)
 
     def _wait_for_peers(self) -> None:
         assert self.dht is not None
@@ -376,6 +400,7 @@ class PeerRuntime:
                 assign(params, self.pieces, self.theta_sync)
             self.outer.buf.copy_(tensors[1].float().reshape(-1))
             self.round = int(meta["round"])
+            self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
         if "step" in meta and self.train_state is not None:
             # the learning-rate schedule follows the swarm's progress, not this peer's steps
@@ -489,7 +514,7 @@ class PeerRuntime:
         return {
             "name": self.name,
             "round": self.round,
-            "tokens": self.round_tokens * scale,
+            "tokens": claimed_tokens(self.cfg.attack, self.round_tokens * scale),
             "rms": stats.rms(self.numel) * scale,
             "sketch": sketch,
             "update_size": stats.size() * scale,
@@ -504,7 +529,7 @@ class PeerRuntime:
         self._looking_since, self._group_found_at = time.perf_counter(), 0.0
         self.averager.start(
             self._contribution(stats),
-            float(self.round_tokens),
+            claimed_tokens(self.cfg.attack, float(self.round_tokens)),
             lambda: self._round_info(stats),
         )
         self.round_slot = self._next_round_at
@@ -524,7 +549,9 @@ class PeerRuntime:
         scale = 1.0 + steps_left * tokens_per_step / max(self.round_tokens, 1)
         self.round_slot = self._next_round_at
         self.averager.prepare(
-            float(self.round_tokens) * scale, self._round_info(stats, scale), self.round_slot
+            claimed_tokens(self.cfg.attack, float(self.round_tokens) * scale),
+            self._round_info(stats, scale),
+            self.round_slot,
         )
         self._looking_since, self._group_found_at = time.perf_counter(), 0.0
 
@@ -613,6 +640,7 @@ class PeerRuntime:
             )
             self._share = 0.0
             self.round += 1
+            self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
         self.averager.averager.state_sharing_priority = float(self.round)
         self.steps_since_round -= self._round_steps  # steps made meanwhile count for the next
@@ -680,18 +708,29 @@ class PeerRuntime:
         )
         self._resync_round = max(int(g.get("round", 0)) for g in result.peers)
         self._resync = self.averager.download_state(self.cfg.state_timeout_s, wait=False)
+        if self.cfg.defend and self.dht is not None:  # what the others hold, read alongside
+            key = agreement_key(self.cfg.swarm)
+            self._resync_records = self.dht.get(key, latest=True, return_future=True)
 
     def _poll_resync(self, record: dict[str, Any]) -> None:
         if self._resync is None or not self._resync.done():
             return
-        future, self._resync = self._resync, None
+        records_future = self._resync_records
+        if records_future is not None and not records_future.done():
+            return
+        future, self._resync, self._resync_records = self._resync, None, None
         problem: str | None
         try:
             state = future.result()
+            records = (
+                parse_records(records_future.result(), exclude=self.peer_id)
+                if records_future is not None
+                else None
+            )
         except Exception as e:
             state, problem = None, f"{type(e).__name__}: {e}"
         else:
-            problem = self.checker.problem(state, min_round=self._resync_round)
+            problem = self.checker.problem(state, self._resync_round, records)
         if problem is not None:
             log.warning("re-synchronization failed (%s); trying again after a round", problem)
             return
@@ -762,6 +801,7 @@ class PeerRuntime:
     def shutdown(self) -> None:
         if getattr(self, "_publisher", None) is not None:
             self._stop_publishing.set()
+            self._round_changed.set()
             self._publisher.join(timeout=5)
         if self.averager is not None:
             self.averager.shutdown()
