@@ -215,6 +215,21 @@ def test_a_directed_push_with_inflated_claims_moves_the_average_by_about_a_third
         assert float(shift.norm()) <= 1.0 * size, (float(shift.norm()) / size, r)
 
 
+def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):
+    """Peer 2 joins each round's group it gets into and then goes silent (its averager frozen).
+    The round it stalls is lost (its span is never averaged); both honest peers name it from the
+    all-reduce's timeouts and leave it out, so every later round lands between them."""
+    outs = run_round(tmp_path, "stall", defend=True)
+    for out in outs.values():
+        failed = [r["failed"] for r in out["rounds"]]
+        assert sum(failed) <= 1, out["rounds"]  # a stall costs at most one round
+        last = out["rounds"][-1]
+        assert not last["failed"] and last["group"] == 2, out["rounds"]
+        assert torch.allclose(last["delta"], honest_mean(), atol=1e-6)
+        assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
+        assert not out["rejected"]  # left out for a while, not banned for good
+
+
 def test_every_member_weighs_the_same_whatever_it_claims():
     assert equal_weights([100.0, 110.0, 1e9]) == [1.0, 1.0, 1.0]
     assert equal_weights([float("nan"), 5.0, 0.0, -3.0])[::2] == [pytest.approx(1e-6)] * 2

@@ -23,7 +23,11 @@ float16 copy keeps this member's own contribution: the runtime needs it to apply
 so every attempt restarts from that copy. Both live in shared memory, read by hivemind's process.
 
 The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
-(robust.py).
+(robust.py) and excludes for a while (`STALL_EXCLUSION_S`) any member that stalled a round: one
+that joined the group and then sent nothing, or reduced nothing (exact.py tells which). A group
+that holds a member this one excludes or banned does not make it abort (that would spoil the
+round for the others too): it takes part, drops that member's parts where it reduces, and
+discards the round for itself only.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import logging
 import multiprocessing as mp
 import queue
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -71,6 +76,8 @@ from atomtrain.peer.traffic import (
 )
 
 log = logging.getLogger(__name__)
+STALL_EXCLUSION_S = 300.0
+"""A member that stalled a round is left out of groups (refused, never asked) this long."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
@@ -141,6 +148,8 @@ class ProbedAverager:
         self._inputs = inputs
         self.kinds = [DELTA, PROBE]  # by the round layout's compression keys
         self._events: Any = mp.get_context("fork").Queue()
+        self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
+        self._stalls: list[tuple[str, str]] = []
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
         self.averager = GuardedAverager(
@@ -151,6 +160,7 @@ class ProbedAverager:
             self._events,
             inputs,
             self.traffic,
+            self._discard,
             tensors,
             dht,
             prefix=prefix,
@@ -219,6 +229,7 @@ class ProbedAverager:
 
     def _step(self, weight: float, info: dict[str, Any], scheduled_time: float | None) -> Any:
         self._probe = random.uniform(1.0, 2.0)
+        self._discard.value = 0
         self._probe_in.fill_(self._probe)
         gather = {**info, "probe": self._probe, "weight": weight}
         return self.averager.step(
@@ -262,6 +273,11 @@ class ProbedAverager:
             raise RoundFailed(f"round failed: {type(e).__name__}: {e}") from None
         if not gathered:
             raise RoundFailed("no group formed")
+        if self._discard.value:
+            raise RoundFailed(
+                "the group held a peer this one banned or excludes: took part for the others, "
+                "applied nothing"
+            )
         peers = [g for g in gathered.values() if isinstance(g, dict)]
         if len(peers) != len(gathered):
             raise RoundFailed("a group member sent malformed round metadata")
@@ -317,10 +333,17 @@ class ProbedAverager:
         out: list[tuple[str, str]] = []
         while True:
             try:
-                peer_id, why = self._events.get_nowait()
+                peer_id, why, kind = self._events.get_nowait()
             except queue.Empty:
                 return out
-            out.append((self.names.get(peer_id) or peer_id, why))
+            named = (self.names.get(peer_id) or peer_id, why)
+            (self._stalls if kind == "stall" else out).append(named)
+
+    def stalls(self) -> list[tuple[str, str]]:
+        """(peer, why) for each member excluded for a while since the last call, for stalling
+        a round (read after rejections())."""
+        out, self._stalls = self._stalls, []
+        return out
 
     def download_state(self, timeout_s: float, wait: bool = True) -> Any:
         """(metadata, tensors) from the most advanced peer, or None; with wait=False, a future
@@ -364,11 +387,13 @@ class GuardedAverager(DecentralizedAverager):
         events: Any,
         inputs: list[torch.Tensor],
         traffic: Traffic,
+        discard: Any,
         *args: Any,
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._traffic = traffic
+        self._traffic, self._discard = traffic, discard
+        self._stalled: dict[PeerID, float] = {}  # peer -> until when (unix seconds) it is left out
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -380,14 +405,25 @@ class GuardedAverager(DecentralizedAverager):
     def _reject(self, peer_id: PeerID, why: str) -> None:
         if peer_id not in self._gate.banned:
             self._gate.ban(peer_id)
-            self._events.put((peer_id.to_base58(), why))
+            self._events.put((peer_id.to_base58(), why, "reject"))
+
+    def _stall(self, peer_id: PeerID, why: str) -> None:
+        if not self._excluded(peer_id):
+            self._events.put((peer_id.to_base58(), why, "stall"))
+        self._stalled[peer_id] = time.time() + STALL_EXCLUSION_S
+
+    def _excluded(self, peer_id: PeerID) -> bool:
+        """Stalled a round lately (local, with expiry; a ban is the gate's and lasts)."""
+        return self._stalled.get(peer_id, 0.0) > time.time()
 
     # --- gates ------------------------------------------------------------------------------
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if not await self._gate.allows(self.dht, context.remote_id):
+        if self._excluded(context.remote_id) or not await self._gate.allows(
+            self.dht, context.remote_id
+        ):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
@@ -428,7 +464,7 @@ class GuardedAverager(DecentralizedAverager):
         ask = matchmaking._request_join_group
 
         async def guarded(leader: PeerID):
-            if not await self._gate.allows(self.dht, leader):
+            if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
                 return None
             return await ask(leader)
 
@@ -438,8 +474,8 @@ class GuardedAverager(DecentralizedAverager):
     # --- robust all-reduce ------------------------------------------------------------------
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
-        if any(p in self._gate.banned for p in group_info.peer_ids):
-            raise AllreduceException("the group holds a banned peer")
+        if any(p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids):
+            self._discard.value = 1  # take part for the others; apply nothing (module docstring)
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -452,6 +488,7 @@ class GuardedAverager(DecentralizedAverager):
         extra: dict[str, Any] = {}
         if self._defence is not None:
             runner_type, extra = RobustRunner, self._robust_arguments(group_info)
+            extra["on_stall"] = self._stall
         runner = runner_type(
             **extra,
             traffic=self._traffic,
@@ -485,7 +522,7 @@ class GuardedAverager(DecentralizedAverager):
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),
             "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
-            "banned": set(self._gate.banned),
+            "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
             "in_sync": dict(zip(ids, membership(users), strict=True)),
             "defence": self._defence,
             "on_reject": self._reject,

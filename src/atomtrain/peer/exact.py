@@ -12,12 +12,16 @@ round, not only the first (sync.py).
 The runner's output is the average itself, not a difference: the averager copies it into its
 tensors. A reducer that fails leaves the member's own part in its span, which the probes show
 (averaging.py).
+
+It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
+its parts within hivemind's sender timeout, or a reducer that sent no averages within the reducer
+timeout. (A member that crashed looks the same; the averager excludes either for a while.)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from hivemind.averaging.partition import BannedException
@@ -29,13 +33,28 @@ from atomtrain.peer.traffic import CountedRunner
 
 
 class ExactAverageRunner(CountedRunner):
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, on_stall: Callable[[Any, str], None] | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
+        self._on_stall = on_stall
+
+    async def _handle_missing_senders(self) -> None:
+        await super()._handle_missing_senders()
+        for peer_id in self.sender_peer_ids:
+            if peer_id not in self.active_senders and peer_id in self.banned_senders:
+                self._stalled(peer_id, "sent none of its parts")
+
+    def _stalled(self, peer_id: Any, why: str) -> None:
+        if self._on_stall is not None and peer_id != self.peer_id:
+            self._on_stall(peer_id, why)
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except asyncio.TimeoutError:
+                self._stalled(peer_id, "sent no averages of its span")
+                raise
         # our own span: the average through the codec the others receive it in
         container = self.tensor_part_container
         peer_index = self.ordered_peer_ids.index(peer_id)

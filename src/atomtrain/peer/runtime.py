@@ -751,6 +751,9 @@ class PeerRuntime:
                 )
         if self.rejected:
             record["rejected_peers"] = sorted(self.rejected)
+        for peer, why in self.averager.stalls():  # excluded for a while, not banned
+            log.warning("left %s out of rounds for a while: it %s", peer, why)
+            record.setdefault("stalled_peers", []).append(peer)
 
     def live_others(self) -> list[PeerStatus]:
         """The other peers whose status is fresh."""
