@@ -23,8 +23,10 @@ float16 copy keeps this member's own contribution: the runtime needs it to apply
 so every attempt restarts from that copy. Both live in shared memory, read by hivemind's process.
 
 The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
-(robust.py) and excludes for a while (`STALL_EXCLUSION_S`) any member that stalled a round: one
-that joined the group and then sent nothing, or reduced nothing (exact.py tells which). A group
+(robust.py) and excludes from its next rounds (`STALL_ROUNDS`, doubled at each repeat) any member
+that stalled a round: one that joined the group and then sent nothing, or reduced nothing
+(exact.py tells which). Counted in rounds rather than banned for good, since an honest peer
+frozen for a while (or cut off) looks the same. A group
 that holds a member this one excludes or banned does not make it abort (that would spoil the
 round for the others too): it takes part, drops that member's parts where it reduces, and
 discards the round for itself only.
@@ -36,7 +38,6 @@ import logging
 import multiprocessing as mp
 import queue
 import random
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -76,8 +77,9 @@ from atomtrain.peer.traffic import (
 )
 
 log = logging.getLogger(__name__)
-STALL_EXCLUSION_S = 300.0
-"""A member that stalled a round is left out of groups (refused, never asked) this long."""
+STALL_ROUNDS = 2
+"""A member that stalled a round is left out of this peer's next this many rounds (refused as a
+follower, never asked as a leader), twice as many at each further stall."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
@@ -393,7 +395,8 @@ class GuardedAverager(DecentralizedAverager):
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
         self._traffic, self._discard = traffic, discard
-        self._stalled: dict[PeerID, float] = {}  # peer -> until when (unix seconds) it is left out
+        self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
+        self._stalls: dict[PeerID, int] = {}  # peer -> times it stalled a round
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -408,13 +411,15 @@ class GuardedAverager(DecentralizedAverager):
             self._events.put((peer_id.to_base58(), why, "reject"))
 
     def _stall(self, peer_id: PeerID, why: str) -> None:
-        if not self._excluded(peer_id):
-            self._events.put((peer_id.to_base58(), why, "stall"))
-        self._stalled[peer_id] = time.time() + STALL_EXCLUSION_S
+        if self._excluded(peer_id):
+            return  # already named in this round
+        self._events.put((peer_id.to_base58(), why, "stall"))
+        times = self._stalls[peer_id] = self._stalls.get(peer_id, 0) + 1
+        self._stalled[peer_id] = 1 + STALL_ROUNDS * 2 ** (times - 1)
 
     def _excluded(self, peer_id: PeerID) -> bool:
-        """Stalled a round lately (local, with expiry; a ban is the gate's and lasts)."""
-        return self._stalled.get(peer_id, 0.0) > time.time()
+        """Stalled a round lately (local, for some rounds; a ban is the gate's and lasts)."""
+        return peer_id in self._stalled
 
     # --- gates ------------------------------------------------------------------------------
 
@@ -453,6 +458,8 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         self._guard_leaders()
+        # a new round: one fewer to leave stalled members out of
+        self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
         return await super()._step(step=step, future_for_init=future_for_init)
 
     def _guard_leaders(self) -> None:
