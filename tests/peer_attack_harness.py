@@ -2,10 +2,17 @@
 
     python peer_attack_harness.py INDEX ATTACK DEFEND WORKDIR
 
-Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start each of three rounds
-together (file barriers) and save what each round gave them to WORKDIR/out{INDEX}.pt.
+Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start each of three
+rounds together (file barriers) and save what each round gave them to WORKDIR/out{INDEX}.pt. With
+`inflate`, peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and
+claims a million times the others' tokens and a thousand times their update size. With `stall`,
+peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
+longer than the round's timeout.
 """
 
+import contextlib
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -13,7 +20,7 @@ from pathlib import Path
 import torch
 from hivemind import DHT
 
-from atomtrain.peer.attack import poison
+from atomtrain.peer.attack import claimed_tokens, poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
 from atomtrain.peer.layout import cut_pieces
@@ -44,6 +51,32 @@ def barrier(work: Path, name: str, index: int) -> None:
     while not all((work / f"{name}{i}").exists() for i in range(PEERS)):
         assert time.time() < deadline, f"barrier {name} timed out"
         time.sleep(0.05)
+
+
+def stalled_round(avg: ProbedAverager, delta: torch.Tensor) -> None:
+    """Join a group, then go silent: the averager's process frozen past the round's timeout."""
+    avg.start(
+        lambda piece, out: out.copy_(delta[piece.offset : piece.offset + piece.numel]),
+        1.0,
+        lambda: {
+            "name": "staller",
+            "round": 0,
+            "sketch": [0.0] * 64,
+            "update_size": 1.0,
+            "rms": float(delta.pow(2).mean().sqrt()),
+        },
+    )
+    deadline = time.time() + 20
+    while not avg.group_found() and not avg.done() and time.time() < deadline:
+        time.sleep(0.01)
+    if avg.group_found() and not avg.done():
+        os.kill(avg.averager.pid, signal.SIGSTOP)
+        time.sleep(10.0)
+        os.kill(avg.averager.pid, signal.SIGCONT)
+    while not avg.done():
+        time.sleep(0.05)
+    with contextlib.suppress(RoundFailed):
+        avg.result()
 
 
 def main() -> None:
@@ -80,19 +113,29 @@ def main() -> None:
         MemberGate(KEY, "atk"),
         Defence() if defend else None,
     )
-    delta = vectors(index)
+    delta, weight, rms_claim = vectors(index), 1.0, 0.0
     if index == 2:
-        delta = poison(attack, delta)
-    rounds, rejected = [], []
+        delta = poison(attack, honest_mean() if attack == "inflate" else delta)
+        weight = claimed_tokens(attack, weight)
+        rms_claim = 1e3 * float(delta.pow(2).mean().sqrt()) if attack == "inflate" else 0.0
+    rounds, rejected, stalled = [], [], []
     for r in range(ROUNDS):
         barrier(work, f"round{r}_", index)
+        if index == 2 and attack == "stall":
+            stalled_round(avg, delta)
+            continue
         try:
-            rounds.append({"failed": False, **averaged_round(avg, delta, 1.0, f"h{index}")})
+            rounds.append(
+                {"failed": False, **averaged_round(avg, delta, weight, f"h{index}", rms_claim)}
+            )
         except RoundFailed as e:
             rounds.append({"failed": True, "why": str(e)})
         rejected += avg.rejections()
+        stalled += getattr(avg, "stalls", list)()
     if index < 2:
-        torch.save({"rounds": rounds, "rejected": rejected}, work / f"out{index}.pt")
+        torch.save(
+            {"rounds": rounds, "rejected": rejected, "stalled": stalled}, work / f"out{index}.pt"
+        )
     print(index, [(r["failed"], r.get("group"), r.get("why")) for r in rounds], rejected)
     avg.shutdown()
     dht.shutdown()

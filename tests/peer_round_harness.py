@@ -23,13 +23,16 @@ def vectors(index: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(index))
 
 
-def averaged_round(avg: ProbedAverager, delta: torch.Tensor, weight: float, name: str) -> dict:
-    """One round with `delta` as this member's contribution; the flat average that came back."""
+def averaged_round(
+    avg: ProbedAverager, delta: torch.Tensor, weight: float, name: str, rms_claim: float = 0.0
+) -> dict:
+    """One round with `delta` as this member's contribution; the flat average that came back.
+    `rms_claim`: the size this member tells the group its update has (0: the true one)."""
 
     def write(piece, out):
         out.copy_(delta[piece.offset : piece.offset + piece.numel])
 
-    rms = float(delta.pow(2).mean().sqrt())
+    rms = rms_claim or float(delta.pow(2).mean().sqrt())
     info = {"name": name, "round": 0, "sketch": [0.0] * 64, "update_size": 1.0, "rms": rms}
     avg.start(write, weight, lambda: info)
     while not avg.done():

@@ -29,7 +29,7 @@ from atomtrain.peer.auth import (
 )
 from atomtrain.peer.averaging import GuardedAverager, ProbedAverager
 from atomtrain.peer.layout import cut_pieces
-from atomtrain.peer.robust import Defence, capped_weights
+from atomtrain.peer.robust import Defence, equal_weights
 
 from .peer_attack_harness import honest_mean
 
@@ -195,10 +195,48 @@ def test_a_poisoned_contribution_never_reaches_the_averaged_parameters(tmp_path:
     )
 
 
-def test_weights_are_capped_the_same_way_everywhere():
-    assert capped_weights([100.0, 110.0, 1e9], 4.0) == [100.0, 110.0, 440.0]
-    assert capped_weights([float("nan"), 5.0], 4.0)[0] == pytest.approx(1e-6)
-    assert capped_weights([], Defence().weight_cap) == []
+def test_a_directed_push_with_inflated_claims_moves_the_average_by_about_a_third(tmp_path: Path):
+    """One member of three sends the honest mean pushed 10 honest update sizes in one direction
+    (inside the bound beyond which it would be dropped), claims a million times the tokens and a
+    thousand times the update size. Whatever it claims, it moves the average by about 1/3 of an
+    honest update (the median of three is moved too: 0.5 measured offline); with weights and
+    clip radii that followed its claims it moved it 6.7 updates."""
+    from atomtrain.peer.attack import poison
+
+    from .peer_attack_harness import vectors
+
+    outs = run_round(tmp_path, "push", defend=True)
+    honest = honest_mean()
+    size = float(vectors(0).norm())  # an honest update's size
+    direction = poison("push", honest) - honest
+    direction /= direction.norm()
+    landed = [r for out in outs.values() for r in out["rounds"] if not r["failed"]]
+    assert any(r["group"] == 3 for r in landed), "the attacker never took part in a round"
+    for r in landed:
+        shift = r["delta"] - honest
+        assert float(shift @ direction) <= 0.75 * size, (float(shift @ direction) / size, r)
+        assert float(shift.norm()) <= 1.0 * size, (float(shift.norm()) / size, r)
+
+
+def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):
+    """Peer 2 joins each round's group it gets into and then goes silent (its averager frozen).
+    The round it stalls is lost (its span is never averaged); both honest peers name it from the
+    all-reduce's timeouts and leave it out, so every later round lands between them."""
+    outs = run_round(tmp_path, "stall", defend=True)
+    for out in outs.values():
+        failed = [r["failed"] for r in out["rounds"]]
+        assert sum(failed) <= 1, out["rounds"]  # a stall costs at most one round
+        last = out["rounds"][-1]
+        assert not last["failed"] and last["group"] == 2, out["rounds"]
+        assert torch.allclose(last["delta"], honest_mean(), atol=1e-6)
+        assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
+        assert not out["rejected"]  # left out for a while, not banned for good
+
+
+def test_every_member_weighs_the_same_whatever_it_claims():
+    assert equal_weights([100.0, 110.0, 1e9]) == [1.0, 1.0, 1.0]
+    assert equal_weights([float("nan"), 5.0, 0.0, -3.0])[::2] == [pytest.approx(1e-6)] * 2
+    assert equal_weights([]) == []
 
 
 def test_keys_are_written_private_parsed_strictly_and_never_overwritten(tmp_path, monkeypatch):
@@ -229,9 +267,14 @@ def test_keys_are_written_private_parsed_strictly_and_never_overwritten(tmp_path
 
 
 def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Path):
+    """The serving peer hands out, in turn, a state with NaNs, a forged model and the swarm's
+    model with an oversized momentum buffer, all of the swarm's round; the swarm's peers have
+    published digests of what they hold at that round (agreement.py). The joiner refuses all
+    three and keeps its parameters; the state the swarm holds passes the same check."""
     from atomtrain.config import PeerSection
     from atomtrain.models import GPT, GPTConfig
     from atomtrain.optim import AdamW, AdamWConfig
+    from atomtrain.peer.agreement import AgreementRecord, RoundDigest
     from atomtrain.peer.runtime import PeerRuntime
     from atomtrain.train.runner import PlainRunner
 
@@ -242,11 +285,24 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
     numel = sum(p.numel() for p in runner.host_parameters().values())
     key_file = tmp_path / "swarm.key"
     key = write_new_key(key_file)
-    poisoned = ({"round": 3}, [torch.full((numel,), float("nan")), torch.zeros(numel)])
     from hivemind.utils.crypto import RSAPrivateKey
 
     from atomtrain.peer.records import own_subkey, swarm_validators
     from atomtrain.peer.status import PeerStatus, publish
+
+    g = torch.Generator().manual_seed(0)
+    held = (torch.randn(numel, generator=g) * 0.02, torch.randn(numel, generator=g) * 1e-3)
+    forged = held[0] + torch.randn(numel, generator=g) * 0.05
+    served = [
+        [torch.full((numel,), float("nan")), torch.zeros(numel)],
+        [forged, held[1]],  # a model of the attacker's choosing
+        [held[0], held[1] * 1e4],  # the swarm's model, with a momentum that throws it off
+    ]
+    calls = []
+
+    def serve():
+        calls.append(1)
+        return {"round": 3}, served[len(calls) % len(served)]
 
     signing = RSAPrivateKey()  # not the process-wide key the joiner signs with
     owner = Membership.of_owner(key, "server", signing)
@@ -262,6 +318,9 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
     server_id = dht.peer_id.to_base58()
     said = PeerStatus("server", 3, 30, 2.0, 1.0, 0.0, peer_id=server_id, updated=time.time() + 60)
     assert publish(dht, SWARM, own_subkey(signing), said).result()
+    record = AgreementRecord()  # what the swarm holds at round 3, as its peers publish it
+    record.add(RoundDigest.of(3, *held))
+    assert record.publish(dht, SWARM, own_subkey(signing)).result()
     server = ProbedAverager(
         dht,
         f"{SWARM}_avg",
@@ -270,7 +329,7 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
         1.0,
         10.0,
         4,
-        lambda: poisoned,
+        serve,
         MemberGate(key, SWARM),
     )
     before = {n: p.detach().clone() for n, p in runner.host_parameters().items()}
@@ -284,9 +343,13 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
     try:
         joiner.start(None)
         assert joiner.state_sources() == [server_id]  # it did ask the server
+        assert len(calls) >= len(served)  # every poisoned state was offered
         after = runner.host_parameters()
         assert all(torch.equal(before[n], after[n]) for n in before)  # nothing was replaced
         assert joiner.round == 0
+        assert joiner.checker.problem(({"round": 3}, list(held))) is None
+        for state in served[1:]:
+            assert "digests" in (joiner.checker.problem(({"round": 3}, state)) or "")
     finally:
         joiner.shutdown()
         if joiner.watchdog is not None:
@@ -318,19 +381,17 @@ def reduce_one_part(
     """Run the robust reducer on one part: sender 0 is the reducer itself."""
     from hivemind.averaging.partition import AllreduceException
 
-    from atomtrain.peer.robust import RobustReducer, Typical
+    from atomtrain.peer.robust import RobustReducer
 
     rejected: list[tuple[int, str]] = []
 
     async def go():
         n = len(parts)
-        typical = Typical.of([1.0] * n, [1.0] * n, 0.0)
         reducer = RobustReducer(
             [torch.Size(shape)],
             [kind],
             [1.0] * n,
             0,
-            typical,
             Defence(),
             [False] * n,
             lambda i, why: rejected.append((i, why)),
@@ -359,12 +420,21 @@ def test_the_reducer_drops_bad_parts_and_clips_outliers():
     assert torch.allclose(avg, (own + honest) / 2) and [i for i, _ in rejected] == [2]
     avg, rejected = reduce_one_part({0: own, 1: honest, 2: honest * 1e6})
     assert torch.allclose(avg, (own + honest) / 2) and [i for i, _ in rejected] == [2]
-    far = own + 5 * (own.norm() + own.norm()) * honest / honest.norm()  # 5 typical sizes away
+    # with two members the reducer trusts its own part: another part is clipped to the sum of
+    # two typical sizes (the smaller norm) around it
+    far = own + 10 * own.norm() * honest / honest.norm()
     avg, rejected = reduce_one_part({0: own, 1: far})
-    clipped = own + (far - own) * (
-        2 * 2 * 10.0 / (far - own).norm()
-    )  # clip: 2 x (1 + 1) x sqrt(100)
+    clipped = own + (far - own) * (2 * own.norm() / (far - own).norm())
     assert not rejected and torch.allclose(avg, (own + clipped) / 2, atol=1e-5)
+    # with three or more, around their coordinate-wise median, to one typical size
+    third = torch.randn(100, generator=g)
+    avg, rejected = reduce_one_part({0: own, 1: honest, 2: third, 3: far})
+    parts = [own, honest, third, far]
+    center = torch.stack(parts).sort(dim=0).values[1:3].mean(0)
+    tau = sorted(float(x.norm()) for x in parts)[1]
+    pulled = [center + (x - center) * min(1.0, tau / float((x - center).norm())) for x in parts]
+    assert not rejected and torch.allclose(avg, sum(pulled) / 4, atol=1e-5)
+    assert float((avg - (own + honest + third) / 3).norm()) < 0.5 * tau  # far moved it little
     avg, rejected = reduce_one_part({0: own, 1: honest, 2: torch.zeros(7)})
     assert torch.allclose(avg, (own + honest) / 2) and [i for i, _ in rejected] == [2]
 
@@ -391,3 +461,5 @@ def test_the_sync_reference_is_the_member_most_others_agree_with():
     assert in_sync_flags([far, base, near], [0.5] * 3, [2, 3, 3]) == [False, True, True]
     # two members that differ: the one with more rounds is the reference
     assert in_sync_flags([base, far], [0.5, 0.5], [4, 3]) == [True, False]
+    # a stale member that claims a huge update does not widen the tolerance to pass
+    assert in_sync_flags([base, near, far], [0.5, 0.5, 1e3], [3, 3, 3]) == [True, True, False]

@@ -179,7 +179,8 @@ class PeerSection:
     defend: bool = True
     """Check every contribution and downloaded state; aggregate robustly (peer/robust.py)."""
     attack: str = ""
-    """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale)."""
+    """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale,
+    push: a directed push with inflated token counts)."""
 
     def __post_init__(self) -> None:
         if self.sync_every != "auto":

@@ -21,18 +21,29 @@ ATTACKS = (
     "alie",
     "ipm",
     "label_flip",
+    "push",
+    "inflate",
     "sybil",
     "dht_overwrite",
 )
-"""`sybil`: a process that takes part under a new peer ID with its member's certificate (and
-signing key), sending sign-flipped updates; `dht_overwrite`: a member that trains honestly and
-writes over every other peer's status and certificate in the DHT."""
+"""`push`: the update pushed far in one fixed direction, inside the radius a reducer drops
+beyond; `inflate`: the same push, claiming a million times the tokens trained on; `sybil`: a
+process that takes part under a new peer ID with its member's certificate (and signing key),
+sending sign-flipped updates; `dht_overwrite`: a member that trains honestly and writes over
+every other peer's status and certificate in the DHT."""
 ALIE_Z = 1.0
 """How many honest standard deviations "a little is enough" (Baruch et al., 2019) moves each
 coordinate: z = 1, as in its evaluations, where the rule max over (n - s)/n gives z <= 0 for a
 swarm this small."""
 IPM_EPSILON = 0.1
 """Inner-product manipulation (Xie et al., 2020) sends -epsilon times the honest mean."""
+PUSH_SIZES = 15.0
+"""A directed push moves the update this many of its own sizes in one fixed direction: inside
+the bound beyond which a reducer drops a part (robust.Defence.reject), so it is clipped, never
+dropped."""
+INFLATED_TOKENS = 1e6
+"""An inflating peer claims this many times the tokens it trained on (more weight, if weights
+followed claims)."""
 
 
 def check_attack(kind: str) -> None:
@@ -50,6 +61,10 @@ def poison(kind: str, delta: torch.Tensor) -> torch.Tensor:
     if kind == "noise":  # random noise a hundred times the size of an honest update
         rms = float(delta.pow(2).mean().sqrt()) or 1e-3
         return torch.randn_like(delta) * (100 * rms)
+    if kind in ("push", "inflate"):  # the same direction every round (seeded by the piece's size)
+        direction = torch.randn(delta.shape, generator=torch.Generator().manual_seed(delta.numel()))
+        size = float(delta.float().norm()) or 1e-3
+        return delta + direction.to(delta) * (PUSH_SIZES * size / float(direction.norm()))
     if kind in ("sign_flip", "sybil"):  # the honest update, reversed
         return -delta
     if kind == "alie":
@@ -107,3 +122,8 @@ def overwrite_records(dht: Any, swarm: str, own_certificate: str) -> None:
             dht.store(
                 key, forge(getattr(item, "value", None)), later, subkey=subkey, return_future=True
             )
+
+
+def claimed_tokens(kind: str, tokens: float) -> float:
+    """What a peer tells its group it trained on."""
+    return tokens * INFLATED_TOKENS if kind == "inflate" else tokens

@@ -23,7 +23,13 @@ float16 copy keeps this member's own contribution: the runtime needs it to apply
 so every attempt restarts from that copy. Both live in shared memory, read by hivemind's process.
 
 The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
-(robust.py).
+(robust.py) and excludes from its next rounds (`STALL_ROUNDS`, doubled at each repeat) any member
+that stalled a round: one that joined the group and then sent nothing, or reduced nothing
+(exact.py tells which). Counted in rounds rather than banned for good, since an honest peer
+frozen for a while (or cut off) looks the same. A group
+that holds a member this one excludes or banned does not make it abort (that would spoil the
+round for the others too): it takes part, drops that member's parts where it reduces, and
+discards the round for itself only.
 """
 
 from __future__ import annotations
@@ -61,18 +67,21 @@ from atomtrain.errors import AtomError
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
 from atomtrain.peer.download import download_from
+from atomtrain.peer.exact import ExactAverageRunner
 from atomtrain.peer.layout import Piece
-from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, capped_weights
+from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, equal_weights
 from atomtrain.peer.sync import in_sync_flags
 from atomtrain.peer.traffic import (
     RECEIVED,
     SENT,
-    CountedRunner,
     Traffic,
     counting_state_stubs,
 )
 
 log = logging.getLogger(__name__)
+STALL_ROUNDS = 2
+"""A member that stalled a round is left out of this peer's next this many rounds (refused as a
+follower, never asked as a leader), twice as many at each further stall."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
@@ -143,6 +152,8 @@ class ProbedAverager:
         self._inputs = inputs
         self.kinds = [DELTA, PROBE]  # by the round layout's compression keys
         self._events: Any = mp.get_context("fork").Queue()
+        self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
+        self._stalls: list[tuple[str, str]] = []
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
         self.averager = GuardedAverager(
@@ -153,6 +164,7 @@ class ProbedAverager:
             self._events,
             inputs,
             self.traffic,
+            self._discard,
             tensors,
             dht,
             prefix=prefix,
@@ -221,6 +233,7 @@ class ProbedAverager:
 
     def _step(self, weight: float, info: dict[str, Any], scheduled_time: float | None) -> Any:
         self._probe = random.uniform(1.0, 2.0)
+        self._discard.value = 0
         self._probe_in.fill_(self._probe)
         gather = {**info, "probe": self._probe, "weight": weight}
         return self.averager.step(
@@ -264,6 +277,11 @@ class ProbedAverager:
             raise RoundFailed(f"round failed: {type(e).__name__}: {e}") from None
         if not gathered:
             raise RoundFailed("no group formed")
+        if self._discard.value:
+            raise RoundFailed(
+                "the group held a peer this one banned or excludes: took part for the others, "
+                "applied nothing"
+            )
         peers = [g for g in gathered.values() if isinstance(g, dict)]
         if len(peers) != len(gathered):
             raise RoundFailed("a group member sent malformed round metadata")
@@ -277,7 +295,7 @@ class ProbedAverager:
         except (KeyError, TypeError, ValueError):
             raise RoundFailed("a group member sent malformed round metadata") from None
         if self.defence is not None:
-            weights = capped_weights(weights, self.defence.weight_cap)
+            weights = equal_weights(weights)
         total = sum(weights)
         if not (total > 0 and all(map(_finite, probes))):
             raise RoundFailed("a group member sent malformed round metadata")
@@ -319,10 +337,17 @@ class ProbedAverager:
         out: list[tuple[str, str]] = []
         while True:
             try:
-                peer_id, why = self._events.get_nowait()
+                peer_id, why, kind = self._events.get_nowait()
             except queue.Empty:
                 return out
-            out.append((self.names.get(peer_id) or peer_id, why))
+            named = (self.names.get(peer_id) or peer_id, why)
+            (self._stalls if kind == "stall" else out).append(named)
+
+    def stalls(self) -> list[tuple[str, str]]:
+        """(peer, why) for each member excluded for a while since the last call, for stalling
+        a round (read after rejections())."""
+        out, self._stalls = self._stalls, []
+        return out
 
     def download_state(self, timeout_s: float, sources: list[str], wait: bool = True) -> Any:
         """(metadata, tensors) from the first of `sources` (peer IDs, best first: state.py) that
@@ -370,11 +395,14 @@ class GuardedAverager(DecentralizedAverager):
         events: Any,
         inputs: list[torch.Tensor],
         traffic: Traffic,
+        discard: Any,
         *args: Any,
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._traffic = traffic
+        self._traffic, self._discard = traffic, discard
+        self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
+        self._stalls: dict[PeerID, int] = {}  # peer -> times it stalled a round
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -395,14 +423,27 @@ class GuardedAverager(DecentralizedAverager):
     def _reject(self, peer_id: PeerID, why: str) -> None:
         if peer_id not in self._gate.banned:
             self._gate.ban(peer_id)
-            self._events.put((peer_id.to_base58(), why))
+            self._events.put((peer_id.to_base58(), why, "reject"))
+
+    def _stall(self, peer_id: PeerID, why: str) -> None:
+        if self._excluded(peer_id):
+            return  # already named in this round
+        self._events.put((peer_id.to_base58(), why, "stall"))
+        times = self._stalls[peer_id] = self._stalls.get(peer_id, 0) + 1
+        self._stalled[peer_id] = 1 + STALL_ROUNDS * 2 ** (times - 1)
+
+    def _excluded(self, peer_id: PeerID) -> bool:
+        """Stalled a round lately (local, for some rounds; a ban is the gate's and lasts)."""
+        return peer_id in self._stalled
 
     # --- gates ------------------------------------------------------------------------------
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if not await self._gate.allows(self.dht, context.remote_id):
+        if self._excluded(context.remote_id) or not await self._gate.allows(
+            self.dht, context.remote_id
+        ):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
@@ -432,6 +473,8 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         self._guard_leaders()
+        # a new round: one fewer to leave stalled members out of
+        self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
         return await super()._step(step=step, future_for_init=future_for_init)
 
     def _guard_leaders(self) -> None:
@@ -443,7 +486,7 @@ class GuardedAverager(DecentralizedAverager):
         ask = matchmaking._request_join_group
 
         async def guarded(leader: PeerID):
-            if not await self._gate.allows(self.dht, leader):
+            if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
                 return None
             return await ask(leader)
 
@@ -453,8 +496,8 @@ class GuardedAverager(DecentralizedAverager):
     # --- robust all-reduce ------------------------------------------------------------------
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
-        if any(p in self._gate.banned for p in group_info.peer_ids):
-            raise AllreduceException("the group holds a banned peer")
+        if any(p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids):
+            self._discard.value = 1  # take part for the others; apply nothing (module docstring)
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -463,10 +506,11 @@ class GuardedAverager(DecentralizedAverager):
         held, probes = tensors
         tensors, kwargs["tensor_infos"] = round_layout(held, probes, kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
-        runner_type: type[CountedRunner] = CountedRunner
+        runner_type: type[ExactAverageRunner] = ExactAverageRunner
         extra: dict[str, Any] = {}
         if self._defence is not None:
             runner_type, extra = RobustRunner, self._robust_arguments(group_info)
+            extra["on_stall"] = self._stall
         runner = runner_type(
             **extra,
             traffic=self._traffic,
@@ -479,8 +523,8 @@ class GuardedAverager(DecentralizedAverager):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update.to(tensor.dtype), alpha=self._averaging_alpha)
+        async for tensor, average in azip(as_aiter(*tensors), runner):
+            tensor.copy_(average)  # the same bits on every member (exact.py)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
@@ -495,14 +539,12 @@ class GuardedAverager(DecentralizedAverager):
             except Exception:  # malformed metadata: the probe check discards the round
                 users.append({})
         ids = group_info.peer_ids
-        weights = capped_weights(
-            [_number(u.get("weight")) for u in users], self._defence.weight_cap
-        )
+        weights = equal_weights([_number(u.get("weight")) for u in users])
         return {
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),
             "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
-            "banned": set(self._gate.banned),
+            "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
             "in_sync": dict(zip(ids, membership(users), strict=True)),
             "defence": self._defence,
             "on_reject": self._reject,

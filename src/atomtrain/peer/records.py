@@ -24,6 +24,14 @@ CertText = pydantic.constr(strict=True, max_length=4096)
 ListText = pydantic.constr(strict=True, max_length=2**17)
 
 
+AgreedRound = pydantic.conlist(  # [round, parameters' digest, momentum's digest]
+    pydantic.StrictInt | pydantic.constr(strict=True, max_length=32),  # type: ignore[arg-type]
+    min_items=3,
+    max_items=3,
+)
+AgreedRounds = pydantic.conlist(AgreedRound, max_items=3)
+
+
 class StatusRecord(pydantic.BaseModel):
     """A peer's status (status.py), as it travels."""
 
@@ -58,6 +66,8 @@ class SwarmRecords(pydantic.BaseModel):
     status: dict[BytesWithPublicKey, StatusRecord | None]
     revoked: dict[BytesWithPublicKey, ListText | None]  # type: ignore[valid-type]
     """The newest owner-signed revocation list each member has seen (any copy will do)."""
+    agreed: dict[BytesWithPublicKey, AgreedRounds | None]  # type: ignore[valid-type]
+    """Digests of the state each peer held at its last rounds (agreement.py)."""
 
 
 def swarm_validators(swarm: str, private_key: RSAPrivateKey) -> list[RecordValidatorBase]:

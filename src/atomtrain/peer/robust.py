@@ -1,22 +1,26 @@
-"""Robust aggregation inside hivemind's all-reduce: one peer cannot move the model arbitrarily.
+"""Robust aggregation inside hivemind's all-reduce: no single member controls the result.
 
 In a butterfly all-reduce every member reduces one span of the vectors: it receives every member's
-part of that span and sends back their average. Here the reducer first checks each part against
-its *own* part (it trusts only itself) and against the size an honest contribution has this round
-(`Typical`: the group's lower-median update per token, times the member's capped tokens):
+part of that span and sends back their average. Here the reducer combines the parts robustly,
+from what it measures in the parts themselves, never from what members claim about them:
 
 - a part with non-finite values is dropped;
-- a pseudo-gradient part farther from ours than `clip` typical sizes is pulled back onto that
-  bound (centered clipping); beyond `reject` sizes it is dropped;
-- weights (tokens) are capped at `weight_cap` times the group's lower median weight;
+- the *center* is the coordinate-wise median of the parts (with fewer than three, no majority
+  exists and the reducer trusts only its own part); the *typical size* is the lower median of
+  the parts' norms (one member can move neither beyond the honest members' values);
+- a pseudo-gradient part farther from the center than `clip` typical sizes is pulled back onto
+  that bound (centered clipping); beyond `reject` sizes it is dropped;
+- every member weighs the same: token counts are claims nobody can check, so a member that
+  reports more tokens gains no weight. With N members, one member moves the average by at most
+  about clip / N typical updates from where the others put it, whatever it sends or claims;
 - updates of members whose synchronized parameters differ from the group's reference (sketches
   in the round's metadata, sync.py) are left out: they were made from other parameters (a stale
   model). Such a member is not banned: it downloads the swarm's state and takes part again.
 
 A member whose part is dropped is *rejected*: named to the peer (and so in its log and status) and
 banned: the gates refuse it from then on, and its data in any later group is dropped. Probe
-elements (see averaging.py) are averaged as they are, with the same capped weights, so every
-member can still tell a fully averaged round from a partial one.
+elements (see averaging.py) are averaged as they are, with the same weights, so every member can
+still tell a fully averaged round from a partial one.
 
 A reducer can lie too: every member checks the averaged parts it receives (finite, and within the
 `reject` bounds of its own values). A reducer that fails the check is rejected and banned like a
@@ -34,8 +38,8 @@ import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.p2p import PeerID
 
+from atomtrain.peer.exact import ExactAverageRunner
 from atomtrain.peer.sync import lower_median
-from atomtrain.peer.traffic import CountedRunner
 
 DELTA, PROBE = "delta", "probe"
 MIN_WEIGHT = 1e-6
@@ -45,52 +49,47 @@ MIN_WEIGHT = 1e-6
 class Defence:
     """Bounds of the robust aggregation."""
 
-    clip: float = 2.0
-    """Pseudo-gradient parts farther than this many typical updates from ours are clipped."""
+    clip: float = 1.0
+    """Pseudo-gradient parts farther than this many typical updates from the center are clipped
+    (an honest update lies within about 0.9 of its norm from the median of its group's, measured
+    on independent updates of equal size: closer when they agree)."""
     reject: float = 20.0
     """...and beyond this many, dropped, and their sender banned."""
     min_scale: float = 0.0
-    """Smallest typical update (RMS), so a peer whose own update is near zero (its last round
-    right after a sync) does not take honest peers' updates for outliers."""
-    weight_cap: float = 4.0
-    """Largest weight, as a multiple of the group's lower median weight."""
+    """Smallest typical update (RMS), so a group whose updates are near zero (a round right after
+    a sync) does not take an honest larger update for an outlier."""
 
 
-def capped_weights(weights: Sequence[float], cap: float) -> list[float]:
-    """The weights the round uses: invalid ones become tiny, large ones are capped. Every member
-    computes the same list from the same gathered metadata."""
-    clean = [w if math.isfinite(w) and w > 0 else MIN_WEIGHT for w in weights]
-    median = lower_median(clean)
-    return [max(MIN_WEIGHT, min(w, cap * median)) for w in clean]
+def equal_weights(weights: Sequence[float]) -> list[float]:
+    """The weights a defended round uses: one for every member that reports having trained, tiny
+    for one that reports nothing (or nonsense). Every member computes the same list from the
+    same gathered metadata."""
+    return [1.0 if math.isfinite(w) and w > 0 else MIN_WEIGHT for w in weights]
 
 
 @dataclass(frozen=True)
 class Typical:
-    """How large (RMS per element) an honest contribution is expected to be this round.
+    """How large (RMS per element) an honest contribution is expected to be this round, from
+    what members report: the lower median, which no single member of three or more can move
+    beyond the others' values. Only the check of what reducers send back uses it (a member sees
+    no one else's update); reducers measure the parts they hold."""
 
-    An update grows with the tokens behind it, so each member's typical update is the group's
-    typical update *per token* (the lower median of what members report: one cannot inflate it)
-    times the member's capped tokens."""
-
-    delta: dict[int, float]
-    """Per sender index."""
+    rms: float
 
     @classmethod
-    def of(
-        cls, weights: Sequence[float], reported_rms: Sequence[float], min_scale: float
-    ) -> Typical:
-        per_token = lower_median([r / w for r, w in zip(reported_rms, weights, strict=True)])
-        median_w = lower_median(list(weights)) or 1.0
-        per_token = max(per_token, min_scale / median_w)
-        return cls({i: per_token * w for i, w in enumerate(weights)})
-
-    def delta_bound(self, i: int, own: int) -> float:
-        """Distance between two honest updates: at most about the sum of their sizes."""
-        return self.delta[i] + self.delta[own]
+    def of(cls, reported_rms: Sequence[float], min_scale: float) -> Typical:
+        return cls(max(lower_median(reported_rms), min_scale))
 
 
 def bound(scale: float, numel: int, factor: float) -> float:
     return factor * scale * math.sqrt(max(numel, 1)) + 1e-12
+
+
+def median_center(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Coordinate-wise median (the mean of the two middle values for an even count)."""
+    n = len(parts)
+    ordered = torch.stack(parts).sort(dim=0).values  # (n, numel)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
 
 
 class RobustReducer(TensorPartReducer):
@@ -102,7 +101,6 @@ class RobustReducer(TensorPartReducer):
         part_kinds: Sequence[str],
         weights: Sequence[float],
         own_sender: int,
-        typical: Typical,
         defence: Defence,
         banned: Sequence[bool],
         on_reject: Callable[[int, str], None],
@@ -111,7 +109,6 @@ class RobustReducer(TensorPartReducer):
         self.part_kinds = list(part_kinds)
         self.weights = list(weights)
         self.own_sender = own_sender
-        self.typical = typical
         self.defence = defence
         self.dropped = list(banned)
         # who holds the group's majority synchronized parameters (None: no majority)
@@ -162,30 +159,55 @@ class RobustReducer(TensorPartReducer):
         kind = self.part_kinds[self.current_part_index]
         if kind == PROBE:
             return self._mean(self.parts.items(), shape)
-        own_i = self.own_sender
-        own = self.parts.get(own_i)
-        kept: list[tuple[int, torch.Tensor]] = []
+        candidates: dict[int, torch.Tensor] = {}
         for i, x in self.parts.items():
             if kind == DELTA and self.in_sync is not None and not self.in_sync[i]:
                 continue  # an update made from other synchronized parameters than the group's
-            if i == self.own_sender or own is None:
-                kept.append((i, x))
-                continue
             if self.dropped[i]:
                 continue
             if not bool(torch.isfinite(x).all()):
                 self._reject(i, "non-finite values")
                 continue
-            r = x - own
+            candidates[i] = x
+        if not candidates:
+            return torch.zeros(shape)
+        numel = max(int(torch.Size(shape).numel()), 1)
+        # parts far beyond any honest one are dropped first (our own too, when a majority can
+        # outvote it); the rest are clipped around a center and scale they alone decide
+        tau, center = self._radius(candidates, numel)
+        for i, x in list(candidates.items()):
+            norm = float((x - center).norm())
+            if norm > self.defence.reject * tau:
+                self._reject(i, f"{kind} {norm / tau:.3g}x the clipping bound")
+                del candidates[i]
+        tau, center = self._radius(candidates, numel)
+        kept: list[tuple[int, torch.Tensor]] = []
+        for i, x in candidates.items():
+            r = x - center
             norm = float(r.norm())
-            clip, reject = self.defence.clip, self.defence.reject
-            scale = self.typical.delta_bound(i, own_i)
-            if norm > bound(scale, x.numel(), reject):
-                self._reject(i, f"{kind} {norm / bound(scale, x.numel(), 1):.3g}x typical")
-                continue
-            tau = bound(scale, x.numel(), clip)
-            kept.append((i, own + r * (tau / norm) if norm > tau else x))
+            kept.append((i, center + r * (tau / norm) if norm > tau else x))
         return self._mean(kept, shape)
+
+    def _radius(self, parts: dict[int, torch.Tensor], numel: int) -> tuple[float, torch.Tensor]:
+        """(clipping radius, center) measured from the parts."""
+        center, own_centered = self._center(parts)
+        scale = max(
+            lower_median([float(x.norm()) for x in parts.values()]),  # the typical size
+            bound(self.defence.min_scale, numel, 1.0),
+        )
+        # with the reducer's own part as the center, an honest part may sit up to about the
+        # sum of two updates' sizes away; around the median, about one
+        return self.defence.clip * scale * (2.0 if own_centered else 1.0), center
+
+    def _center(self, parts: dict[int, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """The median of three or more parts; with fewer, no majority exists and the reducer
+        trusts its own part (True: centered on it)."""
+        if len(parts) >= 3:
+            return median_center(list(parts.values())), False
+        own = parts.get(self.own_sender)
+        if own is not None:
+            return own, True
+        return median_center(list(parts.values())), False
 
     def _mean(self, items, shape: torch.Size) -> torch.Tensor:
         out = torch.zeros(shape)
@@ -196,11 +218,14 @@ class RobustReducer(TensorPartReducer):
         return out.div_(total) if total > 0 else out
 
     def _reject(self, sender: int, why: str) -> None:
+        """Drop the sender's parts from now on; another member is also banned (our own update
+        is only left out: a majority found it far from theirs)."""
         self.dropped[sender] = True
-        self.on_reject(sender, why)
+        if sender != self.own_sender:
+            self.on_reject(sender, why)
 
 
-class RobustRunner(CountedRunner):
+class RobustRunner(ExactAverageRunner):
     """hivemind's all-reduce with the robust reducer and a check of what other reducers return."""
 
     def __init__(
@@ -223,9 +248,7 @@ class RobustRunner(CountedRunner):
         part_kinds = [kinds[info.key] for _, info in own_parts]
         senders = self.sender_peer_ids
         self.typical = Typical.of(
-            [weights.get(p, MIN_WEIGHT) for p in senders],
-            [reported_rms.get(p, math.nan) for p in senders],
-            defence.min_scale,
+            [reported_rms.get(p, math.nan) for p in senders], defence.min_scale
         )
         self._own_sender = senders.index(self.peer_id)
         self.tensor_part_reducer = RobustReducer(
@@ -233,7 +256,6 @@ class RobustRunner(CountedRunner):
             part_kinds,
             [weights.get(p, MIN_WEIGHT) for p in senders],
             self._own_sender,
-            self.typical,
             defence,
             [p in banned for p in senders],
             lambda i, why: on_reject(senders[i], why),
@@ -245,20 +267,21 @@ class RobustRunner(CountedRunner):
         ]
         register = self.tensor_part_container.register_processed_part
 
-        def checked(peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+        def checked(peer_index: int, part_index: int, average: torch.Tensor) -> None:
             if peer_index != own_index:
-                self._check_reduced(peer_index, part_index, delta)
-            register(peer_index, part_index, delta)
+                self._check_reduced(peer_index, part_index, average)
+            register(peer_index, part_index, average)
 
         self.tensor_part_container.register_processed_part = checked
 
-    def _check_reduced(self, peer_index: int, part_index: int, delta: torch.Tensor) -> None:
-        """`delta` is the reducer's average minus our own part."""
+    def _check_reduced(self, peer_index: int, part_index: int, average: torch.Tensor) -> None:
+        """`average`: what the reducer of that span sent back for our part."""
         kind = self._kinds_by_peer[peer_index][part_index]
+        own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0].float()
+        delta = average.float() - own
         norm = float(delta.norm())
-        # an average of updates is no farther from ours than the largest one
-        scale = max(self.typical.delta.values()) + self.typical.delta[self._own_sender]
-        typical = bound(scale, delta.numel(), 1.0)
+        # an average of updates is no farther from ours than a typical one and ours together
+        typical = bound(self.typical.rms, delta.numel(), 1.0) + float(own.norm())
         if not bool(torch.isfinite(delta).all()):
             why = "non-finite averages"
         elif kind != PROBE and norm > typical * self.defence.reject:

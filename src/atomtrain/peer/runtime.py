@@ -41,7 +41,8 @@ from hivemind.p2p import PeerID
 
 from atomtrain.config import PeerSection
 from atomtrain.errors import AtomError
-from atomtrain.peer.attack import check_attack, overwrite_records, poison
+from atomtrain.peer.agreement import AgreementRecord, RoundDigest, agreement_key, parse_records
+from atomtrain.peer.attack import check_attack, claimed_tokens, overwrite_records, poison
 from atomtrain.peer.auth import (
     MemberGate,
     Membership,
@@ -184,6 +185,11 @@ class PeerRuntime:
         self._share = 0.0
         """This member's share of the running round it trains on from (rounds.py); 0: none."""
         self._resync: Any = None
+        self._resync_records: Any = None
+        self.agreement = AgreementRecord()
+        """Digests of this peer's state at its last rounds, published (agreement.py)."""
+        self._digested_round = -1
+        self._round_changed = threading.Event()  # the status thread publishes the new digests
         self.last_group_ids: list[str] = []
         self.last_sync = 0.0
         self.first_contribution_s: float | None = None
@@ -242,6 +248,7 @@ class PeerRuntime:
         if initial:
             self._catch_up()
         self._publish(self.train_state.step)
+        self._publish_agreement()
         self._write_addrs()
         self._stop_publishing = threading.Event()
         self._publisher = threading.Thread(
@@ -312,9 +319,14 @@ class PeerRuntime:
         """Publishes from its own thread, so a peer stays visibly alive while its main thread
         waits (for a round, or for the others at the end)."""
         last_read = 0.0
-        while not self._stop_publishing.wait(PUBLISH_EVERY_S):
+        while not self._stop_publishing.is_set():
+            self._round_changed.wait(PUBLISH_EVERY_S)  # at once when the round changes
+            self._round_changed.clear()
+            if self._stop_publishing.is_set():
+                break
             try:
                 self._publish(self._step)
+                self._publish_agreement()
                 read = time.monotonic() - last_read >= READ_EVERY_S
                 self._refresh_membership(read)
                 last_read = time.monotonic() if read else last_read
@@ -358,6 +370,18 @@ class PeerRuntime:
         others = self._known_others or self.live_others()
         sources = download_sources(others, self.peer_id)
         return [first, *[s for s in sources if s != first]] if first else sources
+
+    def _publish_agreement(self) -> None:
+        """Digests of the synchronized state at this peer's last rounds, for joiners to check a
+        downloaded state against (defended swarms only: hashing costs a pass over the state)."""
+        if not self.cfg.defend or self.dht is None:
+            return
+        if self.round != self._digested_round:
+            with self.lock:
+                r, theta, momentum = self.round, self.theta_sync.clone(), self.outer.buf.clone()
+            self.agreement.add(RoundDigest.of(r, theta, momentum))
+            self._digested_round = r
+        self.agreement.publish(self.dht, self.cfg.swarm, self._subkey)
 
     def _wait_for_peers(self) -> None:
         assert self.dht is not None
@@ -452,6 +476,7 @@ class PeerRuntime:
                 assign(params, self.pieces, self.theta_sync)
             self.outer.buf.copy_(tensors[1].float().reshape(-1))
             self.round = int(meta["round"])
+            self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
         if "step" in meta and self.train_state is not None:
             # the learning-rate schedule follows the swarm's progress, not this peer's steps
@@ -563,7 +588,7 @@ class PeerRuntime:
         return {
             "name": self.name,
             "round": self.round,
-            "tokens": self.round_tokens * scale,
+            "tokens": claimed_tokens(self.cfg.attack, self.round_tokens * scale),
             "rms": stats.rms(self.numel) * scale,
             "sketch": sketch,
             "update_size": stats.size() * scale,
@@ -578,7 +603,7 @@ class PeerRuntime:
         self._looking_since, self._group_found_at = time.perf_counter(), 0.0
         self.averager.start(
             self._contribution(stats),
-            float(self.round_tokens),
+            claimed_tokens(self.cfg.attack, float(self.round_tokens)),
             lambda: self._round_info(stats),
         )
         self.round_slot = self._next_round_at
@@ -598,7 +623,9 @@ class PeerRuntime:
         scale = 1.0 + steps_left * tokens_per_step / max(self.round_tokens, 1)
         self.round_slot = self._next_round_at
         self.averager.prepare(
-            float(self.round_tokens) * scale, self._round_info(stats, scale), self.round_slot
+            claimed_tokens(self.cfg.attack, float(self.round_tokens) * scale),
+            self._round_info(stats, scale),
+            self.round_slot,
         )
         self._looking_since, self._group_found_at = time.perf_counter(), 0.0
 
@@ -687,6 +714,7 @@ class PeerRuntime:
             )
             self._share = 0.0
             self.round += 1
+            self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
         self.steps_since_round -= self._round_steps  # steps made meanwhile count for the next
         self.round_tokens -= self._round_tokens
@@ -761,18 +789,29 @@ class PeerRuntime:
         self._resync = self.averager.download_state(
             self.cfg.state_timeout_s, self.state_sources(), wait=False
         )
+        if self.cfg.defend and self.dht is not None:  # what the others hold, read alongside
+            key = agreement_key(self.cfg.swarm)
+            self._resync_records = self.dht.get(key, latest=True, return_future=True)
 
     def _poll_resync(self, record: dict[str, Any]) -> None:
         if self._resync is None or not self._resync.done():
             return
-        future, self._resync = self._resync, None
+        records_future = self._resync_records
+        if records_future is not None and not records_future.done():
+            return
+        future, self._resync, self._resync_records = self._resync, None, None
         problem: str | None
         try:
             state = future.result()
+            records = (
+                parse_records(records_future.result(), exclude=self._subkey)
+                if records_future is not None
+                else None
+            )
         except Exception as e:
             state, problem = None, f"{type(e).__name__}: {e}"
         else:
-            problem = self.checker.problem(state, min_round=self._resync_round)
+            problem = self.checker.problem(state, self._resync_round, records)
         if problem is not None:
             log.warning("re-synchronization failed (%s); trying again after a round", problem)
             return
@@ -793,6 +832,9 @@ class PeerRuntime:
                 )
         if self.rejected:
             record["rejected_peers"] = sorted(self.rejected)
+        for peer, why in self.averager.stalls():  # excluded for a while, not banned
+            log.warning("left %s out of rounds for a while: it %s", peer, why)
+            record.setdefault("stalled_peers", []).append(peer)
 
     def live_others(self) -> list[PeerStatus]:
         """The other peers whose status is fresh."""
@@ -856,6 +898,7 @@ class PeerRuntime:
             MetricsLog(self.run_dir / "metrics.jsonl").write(last)
         if getattr(self, "_publisher", None) is not None:
             self._stop_publishing.set()
+            self._round_changed.set()
             self._publisher.join(timeout=5)
         if self.averager is not None:
             self.averager.shutdown()

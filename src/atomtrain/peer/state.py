@@ -1,4 +1,5 @@
-"""Checks of a downloaded swarm state before it replaces anything."""
+"""Checks of a downloaded swarm state before it replaces anything: its form, its round, and (when
+defended) that it is what most peers hold (agreement.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from atomtrain.peer.agreement import RoundDigest, disagreement, read_records
 from atomtrain.peer.status import PeerStatus
 from atomtrain.peer.sync import lower_median
 
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 
 class StateCheck:
     def __init__(self, peer: PeerRuntime) -> None:
+        self.peer = peer
         self.numel = peer.numel
         self.defend = peer.cfg.defend
 
@@ -24,8 +27,19 @@ class StateCheck:
         """The round most live peers are at (the median: one peer cannot claim a false one)."""
         return int(lower_median([s.round for s in statuses]))
 
-    def problem(self, state: Any, min_round: int = 0) -> str | None:
-        """Why a downloaded state must not be used, or None when it passes every check."""
+    def records(self) -> dict[str, list[RoundDigest]]:
+        """What the other peers published they hold (a DHT read)."""
+        assert self.peer.dht is not None
+        return read_records(self.peer.dht, self.peer.cfg.swarm, exclude=self.peer._subkey)
+
+    def problem(
+        self,
+        state: Any,
+        min_round: int = 0,
+        records: dict[str, list[RoundDigest]] | None = None,
+    ) -> str | None:
+        """Why a downloaded state must not be used, or None when it passes every check.
+        `records`: the other peers' published digests (read now when not given)."""
         if state is None:
             return "no peer shared it"
         try:
@@ -46,9 +60,12 @@ class StateCheck:
                 return f"a tensor of {t.dtype} {tuple(t.shape)}, expected float32 ({self.numel},)"
             if not bool(torch.isfinite(t).all()):
                 return "non-finite values"
-        if self.defend and meta["round"] < min_round:
+        if not self.defend:
+            return None
+        if meta["round"] < min_round:
             return f"the serving peer is behind (round {meta['round']})"
-        return None
+        records = self.records() if records is None else records
+        return disagreement(meta["round"], tensors[0], tensors[1], records)
 
 
 def download_sources(statuses: list[PeerStatus], own_peer_id: str = "") -> list[str]:

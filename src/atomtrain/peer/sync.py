@@ -1,11 +1,12 @@
 """Which members of a round hold the group's synchronized parameters.
 
 Each member tells the group a sketch of its synchronized parameters (layout.Sketcher) and the
-size of its own update in the same measure. Float16 rounding leaves honest members' parameters a
-tiny distance apart; a member that missed a round, or restarted from an old checkpoint, sits an
-outer step or more away. The reference is the member most others agree with (ties: the most
-rounds, then group order, the same for every member); members farther from it than
-`SYNC_TOL` updates are out of sync: their updates are left out (they were made from other
+size of its own update in the same measure. Members of a round apply the same bits of the average
+(exact.py), so honest members' parameters stay identical (up to the last bits, across machines
+whose arithmetic rounds differently); a member that missed a round, or restarted from an old
+checkpoint, sits an outer step or more away. The reference is the member most others agree
+with (ties: the most rounds, then group order, the same for every member); members farther from it
+than `SYNC_TOL` updates are out of sync: their updates are left out (they were made from other
 parameters) and they download the swarm's state instead of drifting further.
 """
 
@@ -17,9 +18,9 @@ from collections.abc import Sequence
 from atomtrain.peer.layout import sketch_distance
 
 SYNC_TOL = 0.1
-"""Out of sync beyond this many updates (sketch RMS of the largest pseudo-gradient in the round:
-float16 rounding of a round leaves members about 2^-11 of the largest update apart, a missed outer
-step about one update)."""
+"""Out of sync beyond this many updates (sketch RMS of the group's typical pseudo-gradient, the
+lower median of what members report, so that no member widens it by claiming a large update: a
+missed outer step is about one update)."""
 MIN_TOL = 1e-7
 
 
@@ -35,8 +36,7 @@ def in_sync_flags(
     n = len(sketches)
     if n == 0:
         return []
-    sizes = [s for s in update_sizes if math.isfinite(s) and s >= 0]
-    tol = max(SYNC_TOL * max(sizes, default=0.0), MIN_TOL)
+    tol = max(SYNC_TOL * lower_median(update_sizes), MIN_TOL)
     close = [
         [sketch_distance(list(sketches[i]), list(sketches[j])) <= tol for j in range(n)]
         for i in range(n)

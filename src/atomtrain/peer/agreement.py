@@ -1,0 +1,116 @@
+"""What the swarm agrees its state is, so that a downloaded state is checked before it is used.
+
+Members of a round apply the same bits of the average (exact.py), so every peer at a round holds
+the same synchronized parameters and outer momentum. Each peer publishes, signed under its own
+key (a record no one else can write), exact digests of both for its last rounds. A downloaded
+state is taken only when the digests of its parameters and momentum match those that more than
+half of the publishing peers hold for its round: a forged model or an oversized momentum buffer,
+served by one peer, matches only that peer's own record, and is refused before it replaces
+anything.
+
+Peers whose arithmetic rounds differently (the outer step on CPUs with and without fused
+multiply-add) would not hold the same bits; such a swarm would refuse its own states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+
+from atomtrain.peer.layout import digest
+
+AGREEMENT_TTL_S = 30.0
+KEPT_ROUNDS = 3
+"""Rounds a record holds: a state served at a round is still checkable while the swarm takes
+the next ones."""
+
+
+def agreement_key(swarm: str) -> str:
+    return f"{swarm}_agreed"
+
+
+@dataclass(frozen=True)
+class RoundDigest:
+    round: int
+    params: str
+    momentum: str
+
+    @classmethod
+    def of(cls, round: int, params: torch.Tensor, momentum: torch.Tensor) -> RoundDigest:
+        return cls(round, digest(params), digest(momentum))
+
+
+class AgreementRecord:
+    """This peer's digests of its last rounds, published from its status thread."""
+
+    def __init__(self) -> None:
+        self.rounds: list[RoundDigest] = []
+
+    def add(self, entry: RoundDigest) -> None:
+        self.rounds = [r for r in self.rounds if r.round != entry.round][-(KEPT_ROUNDS - 1) :]
+        self.rounds.append(entry)
+
+    def publish(self, dht: DHT, swarm: str, subkey: bytes) -> Any:
+        """Under this peer's signed subkey (records.py): no one else can write it, and one
+        member, holding one certified key, has one record."""
+        value = [[r.round, r.params, r.momentum] for r in self.rounds]
+        return dht.store(
+            agreement_key(swarm),
+            subkey=subkey,
+            value=value,
+            expiration_time=get_dht_time() + AGREEMENT_TTL_S,
+            return_future=True,
+        )
+
+
+def parse_records(found: object, exclude: bytes = b"") -> dict[str, list[RoundDigest]]:
+    """{signer: digests} from what the DHT returned for the agreement key; malformed entries
+    are skipped, and so is `exclude` (the asking peer's own subkey)."""
+    value = getattr(found, "value", None)
+    if not isinstance(value, dict):
+        return {}
+    out: dict[str, list[RoundDigest]] = {}
+    for subkey, item in value.items():
+        if subkey == exclude:
+            continue
+        key = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
+        entries = getattr(item, "value", None)
+        if not isinstance(entries, list):
+            continue
+        parsed = []
+        for e in entries[:KEPT_ROUNDS]:
+            try:
+                parsed.append(RoundDigest(int(e[0]), str(e[1])[:32], str(e[2])[:32]))
+            except (TypeError, ValueError, IndexError):
+                continue
+        out[key] = parsed
+    return out
+
+
+def read_records(dht: DHT, swarm: str, exclude: bytes = b"") -> dict[str, list[RoundDigest]]:
+    return parse_records(dht.get(agreement_key(swarm), latest=True), exclude)
+
+
+def disagreement(
+    round: int,
+    params: torch.Tensor,
+    momentum: torch.Tensor,
+    records: Mapping[str, Sequence[RoundDigest]],
+) -> str | None:
+    """Why a state of `round` is not what the swarm agrees on, or None when more than half of
+    the publishing peers hold exactly it."""
+    if not records:
+        return "no peer published what the swarm holds"
+    have = RoundDigest.of(round, params, momentum)
+    agree = sum(have in entries for entries in records.values())
+    if agree * 2 <= len(records):
+        return (
+            f"its round {round} parameters and momentum match {agree} of {len(records)} "
+            f"peers' published digests"
+        )
+    return None

@@ -1,0 +1,103 @@
+"""Every member of a round ends with the same bits of the average.
+
+hivemind's reducer sends each member `average - that member's part`, compressed, and the member
+adds it to its own part: each ends with its own value plus the rounding of its own difference, so
+members never hold identical averages (and, applying them round after round, drift apart).
+Here the reducer sends the average itself, through the codec of the part (the same bytes to every
+member), and takes its own span through that codec too. Every member then applies the same
+values: their synchronized parameters and outer momentum stay bit-identical on the same
+hardware, so a member that holds other ones (a missed round, a stale model) stands out in every
+round, not only the first (sync.py).
+
+The runner's output is the average itself, not a difference: the averager copies it into its
+tensors. A reducer that fails leaves the member's own part in its span, which the probes show
+(averaging.py).
+
+It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
+its parts within hivemind's sender timeout, or a reducer that sent no averages within the reducer
+timeout. (A member that crashed looks the same; the averager excludes either for a while.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import amap_in_executor
+
+from atomtrain.peer.traffic import CountedRunner
+
+
+class ExactAverageRunner(CountedRunner):
+    def __init__(self, *, on_stall: Callable[[Any, str], None] | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
+        self._on_stall = on_stall
+
+    async def _handle_missing_senders(self) -> None:
+        await super()._handle_missing_senders()
+        for peer_id in self.sender_peer_ids:
+            if peer_id not in self.active_senders and peer_id in self.banned_senders:
+                self._stalled(peer_id, "sent none of its parts")
+
+    def _stalled(self, peer_id: Any, why: str) -> None:
+        if self._on_stall is not None and peer_id != self.peer_id:
+            self._on_stall(peer_id, why)
+
+    async def _communicate_with_peer(self, peer_id: Any) -> None:
+        if peer_id != self.peer_id:
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except asyncio.TimeoutError:
+                self._stalled(peer_id, "sent no averages of its span")
+                raise
+        # our own span: the average through the codec the others receive it in
+        container = self.tensor_part_container
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        for part_index, (part, info) in enumerate(container._input_parts_by_peer[peer_index]):
+            average = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, weight=self.weight
+            )
+            wire = container.compression.compress(average, info)
+            container.register_processed_part(
+                peer_index, part_index, deserialize_torch_tensor(wire)
+            )
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, sending the average rather than the average minus the sender's part."""
+        part_index = 0
+        try:
+            loop = asyncio.get_event_loop()
+            async for part, weight, compression in amap_in_executor(
+                lambda msg: (
+                    deserialize_torch_tensor(msg.tensor_part),
+                    msg.weight,
+                    msg.tensor_part.compression,
+                ),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    average = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break  # the sender was banned: its parts are no longer needed
+                serialized = await loop.run_in_executor(
+                    None,
+                    lambda: serialize_torch_tensor(average, compression),  # noqa: B023
+                )
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, tensor_part=serialized
+                )
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
