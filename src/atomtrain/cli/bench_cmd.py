@@ -61,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument(
         "--attacks",
         default="all",
-        help="comma-separated (nan, scale, noise, stale, sign_flip, alie, ipm, label_flip), or all",
+        help="comma-separated (nan, scale, noise, stale, sign_flip, alie, ipm, label_flip, push, "
+        "inflate, sybil, dht_overwrite, stall), or all",
     )
     a.add_argument("--out-dir", default="runs/bench-attack", help="where the peers' runs go")
     a.set_defaults(func=run_attack)

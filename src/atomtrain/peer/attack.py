@@ -6,6 +6,9 @@ round. The defences (peer/robust.py) must keep these from reaching the honest pe
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from typing import Any
 
 import torch
@@ -25,12 +28,14 @@ ATTACKS = (
     "inflate",
     "sybil",
     "dht_overwrite",
+    "stall",
 )
 """`push`: the update pushed far in one fixed direction, inside the radius a reducer drops
 beyond; `inflate`: the same push, claiming a million times the tokens trained on; `sybil`: a
 process that takes part under a new peer ID with its member's certificate (and signing key),
 sending sign-flipped updates; `dht_overwrite`: a member that trains honestly and writes over
-every other peer's status and certificate in the DHT."""
+every other peer's status and certificate in the DHT; `stall`: a member that joins each round's
+group and then goes silent (its averager frozen past the round's timeout)."""
 ALIE_Z = 1.0
 """How many honest standard deviations "a little is enough" (Baruch et al., 2019) moves each
 coordinate: z = 1, as in its evaluations, where the rule max over (n - s)/n gives z <= 0 for a
@@ -127,3 +132,25 @@ def overwrite_records(dht: Any, swarm: str, own_certificate: str) -> None:
 def claimed_tokens(kind: str, tokens: float) -> float:
     """What a peer tells its group it trained on."""
     return tokens * INFLATED_TOKENS if kind == "inflate" else tokens
+
+
+def stall_rounds(peer: Any, stop: threading.Event) -> None:
+    """`stall`, run in a thread of the attacker: whenever its averager has found a group, freeze
+    the averager's process (SIGSTOP) for longer than the round's timeout, then let it go on."""
+    while not stop.wait(0.01):
+        averager = peer.averager
+        if (
+            averager is None
+            or not averager.running
+            or not averager.group_found()
+            or averager.done()
+        ):
+            continue
+        pid = averager.averager.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stop.wait(peer.cfg.averaging_timeout_s + 2.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        while averager.running and not averager.done() and not stop.wait(0.05):
+            pass  # the spoiled round ends before the next one is stalled

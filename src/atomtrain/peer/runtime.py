@@ -42,7 +42,13 @@ from hivemind.p2p import PeerID
 from atomtrain.config import PeerSection
 from atomtrain.errors import AtomError
 from atomtrain.peer.agreement import AgreementRecord, RoundDigest, agreement_key, parse_records
-from atomtrain.peer.attack import check_attack, claimed_tokens, overwrite_records, poison
+from atomtrain.peer.attack import (
+    check_attack,
+    claimed_tokens,
+    overwrite_records,
+    poison,
+    stall_rounds,
+)
 from atomtrain.peer.auth import (
     MemberGate,
     Membership,
@@ -255,6 +261,10 @@ class PeerRuntime:
             target=self._publish_loop, daemon=True, name="atom-status"
         )
         self._publisher.start()
+        if self.cfg.attack == "stall":  # bench attack only
+            threading.Thread(
+                target=stall_rounds, args=(self, self._stop_publishing), daemon=True
+            ).start()
         self._wait_for_peers()
         log.info(
             "averaging holds %.2fx the float32 model in host memory",
@@ -269,7 +279,9 @@ class PeerRuntime:
         identity = {"identity_path": self.cfg.identity} if own_identity else {}
         from hivemind.utils.crypto import RSAPrivateKey
 
-        signing = self._signing_key or RSAPrivateKey.process_wide()  # open swarms sign too
+        # open swarms sign too, each peer with its own key (peers sharing a process, as in
+        # tests, would otherwise write each other's records)
+        signing = self._signing_key or RSAPrivateKey()
         self._subkey = own_subkey(signing)
         warned = False
         while True:
