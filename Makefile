@@ -17,7 +17,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	@command -v tc >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get install -y -qq iproute2 >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null)) ; } || echo "iproute2 missing: the slow-network lab tests will skip"
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
