@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hivemind import DHT
@@ -230,3 +231,50 @@ def read_key(path: Path) -> SwarmKey:
     key = load_swarm_key(str(path))
     assert key is not None
     return key
+
+
+def test_only_certified_members_vote_on_what_the_swarm_holds():
+    """Digests signed by keys anyone can make (a forger's sybil votes) are not counted; each
+    member counts once."""
+    import torch
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from atomtrain.peer.agreement import RoundDigest, disagreement, members_only, parse_records
+    from atomtrain.peer.auth import Roster
+
+    key = SwarmKey(secrets.token_bytes(32))
+    held = (torch.ones(8), torch.zeros(8))
+    forged = (torch.full((8,), 2.0), torch.zeros(8))
+    honest_keys = [RSAPrivateKey() for _ in range(2)]
+    sybil_keys = [RSAPrivateKey() for _ in range(3)]
+
+    def signer(k: RSAPrivateKey) -> str:
+        return k.get_public_key().to_bytes().decode()
+
+    def entry(state: tuple) -> SimpleNamespace:  # a DHT value, as hivemind returns it
+        d = RoundDigest.of(3, *state)
+        return SimpleNamespace(value=[[3, d.params, d.momentum]])
+
+    found = SimpleNamespace(
+        value={
+            **{RSASignatureValidator(k).local_public_key: entry(held) for k in honest_keys},
+            **{RSASignatureValidator(k).local_public_key: entry(forged) for k in sybil_keys},
+        }
+    )
+    records = parse_records(found)
+    assert len(records) == 5 and set(records) == {signer(k) for k in honest_keys + sybil_keys}
+    # without the roster the forger's three keys outvote the two members
+    assert disagreement(3, *forged, records) is None
+    roster = Roster(
+        by_signer={
+            signer(k): issue(key.secret, f"m{i}", signer(k), f"P{i}")
+            for i, k in enumerate(honest_keys)
+        }
+    )
+    counted = members_only(records, roster)
+    assert set(counted) == {"m0", "m1"}
+    assert disagreement(3, *held, counted) is None
+    assert "digests" in (disagreement(3, *forged, counted) or "")
+    # a member whose two keys both hold certificates still counts once
+    roster.by_signer[signer(sybil_keys[0])] = issue(key.secret, "m0", signer(sybil_keys[0]), "P9")
+    assert set(members_only(records, roster)) == {"m0", "m1"}

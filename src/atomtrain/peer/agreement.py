@@ -16,13 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from atomtrain.peer.layout import digest
+from atomtrain.peer.records import signer_of
+
+if TYPE_CHECKING:
+    from atomtrain.peer.auth import Roster
 
 AGREEMENT_TTL_S = 30.0
 KEPT_ROUNDS = 3
@@ -69,16 +73,16 @@ class AgreementRecord:
 
 
 def parse_records(found: object, exclude: bytes = b"") -> dict[str, list[RoundDigest]]:
-    """{signer: digests} from what the DHT returned for the agreement key; malformed entries
-    are skipped, and so is `exclude` (the asking peer's own subkey)."""
+    """{signer's public key: digests} from what the DHT returned for the agreement key;
+    malformed entries are skipped, and so is `exclude` (the asking peer's own subkey)."""
     value = getattr(found, "value", None)
     if not isinstance(value, dict):
         return {}
     out: dict[str, list[RoundDigest]] = {}
     for subkey, item in value.items():
-        if subkey == exclude:
+        key = signer_of(subkey)  # the validators checked that this key signed the record
+        if subkey == exclude or key is None:
             continue
-        key = subkey.decode(errors="replace") if isinstance(subkey, bytes) else str(subkey)
         entries = getattr(item, "value", None)
         if not isinstance(entries, list):
             continue
@@ -94,6 +98,21 @@ def parse_records(found: object, exclude: bytes = b"") -> dict[str, list[RoundDi
 
 def read_records(dht: DHT, swarm: str, exclude: bytes = b"") -> dict[str, list[RoundDigest]]:
     return parse_records(dht.get(agreement_key(swarm), latest=True), exclude)
+
+
+def members_only(
+    records: dict[str, list[RoundDigest]], roster: Roster | None
+) -> dict[str, list[RoundDigest]]:
+    """In a keyed swarm (a `roster`): only records signed by a certified member's key, one per
+    member, so keys anyone can make add no votes. An open swarm counts every record."""
+    if roster is None:
+        return records
+    out: dict[str, list[RoundDigest]] = {}
+    for signer, digests in records.items():
+        cert = roster.by_signer.get(signer)
+        if cert is not None:
+            out.setdefault(cert.member, digests)
+    return out
 
 
 def disagreement(

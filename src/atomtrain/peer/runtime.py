@@ -41,7 +41,13 @@ from hivemind.p2p import PeerID
 
 from atomtrain.config import PeerSection
 from atomtrain.errors import AtomError
-from atomtrain.peer.agreement import AgreementRecord, RoundDigest, agreement_key, parse_records
+from atomtrain.peer.agreement import (
+    AgreementRecord,
+    RoundDigest,
+    agreement_key,
+    members_only,
+    parse_records,
+)
 from atomtrain.peer.attack import (
     check_attack,
     claimed_tokens,
@@ -52,6 +58,7 @@ from atomtrain.peer.attack import (
 from atomtrain.peer.auth import (
     MemberGate,
     Membership,
+    Roster,
     declare_member,
     load_membership,
     note_revoked,
@@ -157,6 +164,7 @@ class PeerRuntime:
         self._signing_key = self.membership.private_key if self.membership else None
         self._revocations: Any = None
         self._known_others: list[PeerStatus] = []
+        self._roster: Roster | None = None
         self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
         self.lock = threading.Lock()  # theta_sync, momentum, round: training vs state serving
@@ -362,12 +370,22 @@ class PeerRuntime:
             overwrite_records(self.dht, self.cfg.swarm, self.membership.certificate().to_text())
         if not read:
             return
-        newest = read_roster(self.dht, self.cfg.swarm, self.membership.owner).revocations
+        self._roster = read_roster(self.dht, self.cfg.swarm, self.membership.owner)
+        newest = self._roster.revocations
         if newest is not None and newest != self._revocations:
             self._revocations = newest
             note_revoked(self.dht, newest.members)
             if self.membership.member in newest.members:
                 log.warning("the owner revoked this member (%s)", self.membership.member)
+
+    def roster(self, fresh: bool = False) -> Roster | None:
+        """The swarm's certified members (None: an open swarm), as the status thread last read
+        them, or with `fresh` read now (a blocking DHT read: not on the training thread)."""
+        if self.membership is None or self.dht is None:
+            return None
+        if fresh:
+            self._roster = read_roster(self.dht, self.cfg.swarm, self.membership.owner)
+        return self._roster if self._roster is not None else Roster()  # not read yet: no one
 
     def _declared_id(self) -> PeerID:
         """The peer ID this peer's certificate is published for: its own (a sybil, in bench
@@ -816,7 +834,9 @@ class PeerRuntime:
         try:
             state = future.result()
             records = (
-                parse_records(records_future.result(), exclude=self._subkey)
+                members_only(
+                    parse_records(records_future.result(), exclude=self._subkey), self.roster()
+                )
                 if records_future is not None
                 else None
             )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from atomtrain.peer.agreement import RoundDigest, disagreement, read_records
+from atomtrain.peer.agreement import RoundDigest, disagreement, members_only, read_records
 from atomtrain.peer.status import PeerStatus
 from atomtrain.peer.sync import lower_median
 
@@ -29,8 +29,10 @@ class StateCheck:
 
     def records(self) -> dict[str, list[RoundDigest]]:
         """What the other peers published they hold (a DHT read)."""
-        assert self.peer.dht is not None
-        return read_records(self.peer.dht, self.peer.cfg.swarm, exclude=self.peer._subkey)
+        peer = self.peer
+        assert peer.dht is not None
+        records = read_records(peer.dht, peer.cfg.swarm, exclude=peer._subkey)
+        return members_only(records, peer.roster(fresh=True))
 
     def problem(
         self,

@@ -58,6 +58,7 @@ def tcp_counts() -> dict[int, SocketCount]:
     """Every TCP socket of this network namespace, by inode: bytes each way with headers."""
     counts: dict[int, SocketCount] = {}
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as nl:
+        nl.settimeout(1.0)  # never hold up a caller (a round being applied) on the kernel
         for family in (socket.AF_INET, socket.AF_INET6):
             request = _REQUEST.pack(
                 family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), 0xFFFFFFFF, b""
@@ -66,7 +67,12 @@ def tcp_counts() -> dict[int, SocketCount]:
                 _NLMSGHDR.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0
             )
             nl.send(header + request)
-            counts.update(_read_dump(nl, HEADER_BYTES[family]))
+            try:
+                counts.update(_read_dump(nl, HEADER_BYTES[family]))
+            except OSError:
+                if family == socket.AF_INET:
+                    raise
+                # no IPv6 here (disabled, or no inet6 diag module): IPv4 sockets still count
     return counts
 
 
@@ -111,15 +117,14 @@ def _count(info: bytes, header_bytes: int) -> SocketCount:
 
 
 def socket_inodes(pid: int) -> set[int]:
-    """Inodes of the sockets process `pid` holds open."""
+    """Inodes of the sockets process `pid` holds open (OSError: they cannot be listed)."""
     inodes = set()
     fds = f"/proc/{pid}/fd"
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(fds):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"{fds}/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(int(target[8:-1]))
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):  # a descriptor closed meanwhile
+            target = os.readlink(f"{fds}/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
     return inodes
 
 
@@ -140,7 +145,7 @@ class WireMeter:
             if self.available:
                 try:
                     self._read()
-                except OSError:
+                except (OSError, struct.error):  # the daemon gone, or a reply cut short
                     self.available = False
             sent = self._closed.sent + sum(c.sent for c in self._last.values())
             received = self._closed.received + sum(c.received for c in self._last.values())
@@ -150,10 +155,16 @@ class WireMeter:
         mine = socket_inodes(self.pid)
         counts = tcp_counts()
         now = {inode: counts[inode] for inode in mine if inode in counts}
-        gone = [c for inode, c in self._last.items() if inode not in now]
+        # closed since the last read, or (its counters lower: they only grow) a new socket on
+        # a reused inode: the old socket's count is kept
+        ended = [
+            c
+            for inode, c in self._last.items()
+            if inode not in now or now[inode].sent < c.sent or now[inode].received < c.received
+        ]
         self._closed = SocketCount(
-            self._closed.sent + sum(c.sent for c in gone),
-            self._closed.received + sum(c.received for c in gone),
+            self._closed.sent + sum(c.sent for c in ended),
+            self._closed.received + sum(c.received for c in ended),
         )
         self._last = now
 
