@@ -447,6 +447,12 @@ def test_updates_of_members_out_of_sync_are_left_out():
         {0: own, 1: honest, 2: torch.zeros(100)}, in_sync=[True, True, False]
     )
     assert torch.allclose(avg, (own + honest) / 2) and not rejected
+    # the reducer's own update left out (it missed a round) and two others: no majority and no
+    # reference, so neither is banned (both used to be, with an honest one); the far one clipped
+    far = honest * 50
+    avg, rejected = reduce_one_part({0: own, 1: honest, 2: far}, in_sync=[False, True, True])
+    assert not rejected and bool(torch.isfinite(avg).all())
+    assert float(avg.norm()) < float((honest + far).norm()) / 2
 
 
 def test_the_sync_reference_is_the_member_most_others_agree_with():

@@ -49,6 +49,9 @@ def _owner_key(path: str | None):
     return key
 
 
+MAX_DAYS = 3650
+
+
 def run_admit(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.errors import AtomError
     from atomtrain.peer.certs import MAX_MEMBER_CHARS, issue, read_public
@@ -56,8 +59,8 @@ def run_admit(args: argparse.Namespace, _extra: list[str]) -> int:
     key = _owner_key(args.swarm_key)
     if not 0 < len(args.member) <= MAX_MEMBER_CHARS:
         raise AtomError(f"--member must be 1 to {MAX_MEMBER_CHARS} characters")
-    if not args.days > 0:
-        raise AtomError(f"--days must be positive, got {args.days}")
+    if not 0 < args.days <= MAX_DAYS:  # a longer expiry does not fit the DHT's token dates
+        raise AtomError(f"--days must be in (0, {MAX_DAYS}], got {args.days}")
     peer_id, public_key = read_public(args.pub)
     cert = issue(key.secret, args.member, public_key, peer_id, args.days * 86400)
     out = args.out or Path(f"{args.member}.cert")

@@ -221,6 +221,7 @@ def load_membership(
     """This peer's membership: from its certificate, else from the swarm key (file or
     environment, which is then cleared so p2pd and the watchdog never see it); None: open."""
     if cert_file:
+        os.environ.pop(KEY_ENV, None)  # never inherited by p2pd and the watchdog
         return Membership.admitted(cert_file, identity_file)
     key = load_swarm_key(key_file, consume_env=True)
     return Membership.of_owner(key, name) if key is not None else None

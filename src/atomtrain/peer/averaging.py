@@ -369,9 +369,12 @@ def membership(peers: list[dict[str, Any]]) -> list[bool]:
         sketches = [[float(x) for x in g["sketch"]] for g in peers]
         sizes = [float(g["update_size"]) for g in peers]
         rounds = [int(g["round"]) for g in peers]
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # malformed, or int(inf)
         return [True] * len(peers)
-    return in_sync_flags(sketches, sizes, rounds)
+    try:
+        return in_sync_flags(sketches, sizes, rounds)
+    except (OverflowError, ValueError):  # values no honest member sends (1e300, NaN)
+        return [True] * len(peers)
 
 
 def _finite(x: float) -> bool:
@@ -416,7 +419,10 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _download_from(self, sources: list[str], timeout_s: float, future: MPFuture):
         try:
-            future.set_result(await download_from(self, sources, timeout_s))
+            # a state: the parameters and the outer momentum, float32, and some framing
+            numel = sum(t.numel() for t in self._averaged_tensors)
+            most = int(8 * numel * 1.25) + (1 << 20)
+            future.set_result(await download_from(self, sources, timeout_s, most))
         except BaseException as e:
             future.set_exception(e)
 

@@ -223,7 +223,7 @@ def read_public(path: str) -> tuple[str, str]:
             raise ValueError("peer ID of another key")
     except OSError as e:
         raise AtomError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, KeyError, TypeError):
+    except Exception:  # malformed JSON, fields, or a key of a kind libp2p does not take
         raise AtomError(
             f"{path} is not a member's public key (the .pub file `atomtrain keygen --member` "
             "writes)"

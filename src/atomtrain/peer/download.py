@@ -20,9 +20,12 @@ from hivemind.utils.streaming import combine_from_streaming
 log = logging.getLogger(__name__)
 
 
-async def download_from(averager: Any, sources: list[str], timeout_s: float | None) -> Any:
+async def download_from(
+    averager: Any, sources: list[str], timeout_s: float | None, most_bytes: int | None = None
+) -> Any:
     """(metadata, tensors) from the first of `sources` (base58 peer IDs) that serves a state,
-    or None."""
+    or None. A source that streams more than `most_bytes` is cut off (a state is checked only
+    once received: an endless one must not fill this process's memory first)."""
     for source in sources:
         try:
             peer = PeerID.from_base58(source)
@@ -36,7 +39,11 @@ async def download_from(averager: Any, sources: list[str], timeout_s: float | No
             metadata: Any = None
             tensors: list[Any] = []
             parts: list[Any] = []
+            received = 0
             async for message in aiter_with_timeout(stream, timeout=timeout_s):
+                received += message.ByteSize()
+                if most_bytes is not None and received > most_bytes:
+                    raise ValueError(f"more than {most_bytes} bytes")
                 if message.metadata:
                     metadata = averager.serializer.loads(message.metadata)
                 if message.tensor_part.dtype and parts:  # the start of the next tensor

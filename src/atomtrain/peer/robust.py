@@ -175,11 +175,16 @@ class RobustReducer(TensorPartReducer):
         # parts far beyond any honest one are dropped first (our own too, when a majority can
         # outvote it); the rest are clipped around a center and scale they alone decide
         tau, center = self._radius(candidates, numel)
+        # a rejection bans: only against a majority (three or more) or the reducer's own part;
+        # two others alone are equally far from their mean, and neither can be told honest
+        judged = len(candidates) >= 3 or self.own_sender in candidates
         for i, x in list(candidates.items()):
             norm = float((x - center).norm())
-            if norm > self.defence.reject * tau:
+            if judged and norm > self.defence.reject * tau:
                 self._reject(i, f"{kind} {norm / tau:.3g}x the clipping bound")
                 del candidates[i]
+        if not candidates:
+            return torch.zeros(shape)
         tau, center = self._radius(candidates, numel)
         kept: list[tuple[int, torch.Tensor]] = []
         for i, x in candidates.items():
@@ -201,13 +206,14 @@ class RobustReducer(TensorPartReducer):
 
     def _center(self, parts: dict[int, torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """The median of three or more parts; with fewer, no majority exists and the reducer
-        trusts its own part (True: centered on it)."""
+        trusts its own part (True: centered on it), or without it, none: around zero, each part
+        is clipped to the typical size (the smaller norm)."""
         if len(parts) >= 3:
             return median_center(list(parts.values())), False
         own = parts.get(self.own_sender)
         if own is not None:
             return own, True
-        return median_center(list(parts.values())), False
+        return torch.zeros_like(next(iter(parts.values()))), False
 
     def _mean(self, items, shape: torch.Size) -> torch.Tensor:
         out = torch.zeros(shape)

@@ -397,7 +397,8 @@ class PeerRuntime:
 
     def state_sources(self, first: str = "") -> list[str]:
         """Whom a state download asks, best first (state.py); `first` before all others."""
-        others = self._known_others or self.live_others()
+        # the status thread's last reading: a DHT read here would block the training thread
+        others = self._known_others
         sources = download_sources(others, self.peer_id)
         return [first, *[s for s in sources if s != first]] if first else sources
 
