@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def open_dashboard(addr: str, swarm: str, key_file: str | None, host: str, port: int) -> Any:
     """Start the collector and the server; returns (server, dht) to close when done."""
-    from atomtrain.cli.swarm_cmd import _client_dht
+    from atomtrain.cli.swarm_cmd import _client_dht, swarm_owner
     from atomtrain.dashboard.collector import SwarmWatch
     from atomtrain.dashboard.server import start_dashboard
     from atomtrain.errors import AtomError
@@ -33,7 +33,7 @@ def open_dashboard(addr: str, swarm: str, key_file: str | None, host: str, port:
 
     check_port(port, "--port")
     dht = _client_dht(addr, key_file, swarm)
-    watch = SwarmWatch(dht, swarm).start()
+    watch = SwarmWatch(dht, swarm, swarm_owner(key_file)).start()
     try:
         server = start_dashboard(watch, host, port)
     except OSError as e:

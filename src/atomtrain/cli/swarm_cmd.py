@@ -101,18 +101,27 @@ def _client_dht(addr: str, key_file: str | None, swarm: str):
         raise AtomError(f"cannot reach the swarm at {addr} ({type(e).__name__}{hint})") from None
 
 
-def _table(dht, swarm: str) -> str:
+def swarm_owner(key_file: str | None) -> str | None:
+    """The owner whose certificates a keyed swarm's statuses must be signed under (None: open)."""
+    from atomtrain.peer.auth import load_swarm_key
+
+    key = load_swarm_key(key_file or "")
+    return key.owner() if key else None
+
+
+def _table(dht, swarm: str, owner: str | None) -> str:
     from atomtrain.cli.table import render_table
     from atomtrain.peer.status import STATUS_HEADERS, read_statuses, status_rows
 
-    return render_table(STATUS_HEADERS, status_rows(read_statuses(dht, swarm)))
+    return render_table(STATUS_HEADERS, status_rows(read_statuses(dht, swarm, owner)))
 
 
 def run_status(args: argparse.Namespace, _extra: list[str]) -> int:
     dht = _client_dht(args.join, args.swarm_key, args.swarm)
+    owner = swarm_owner(args.swarm_key)
     try:
         while True:
-            print(_table(dht, args.swarm), flush=True)
+            print(_table(dht, args.swarm, owner), flush=True)
             if not args.watch:
                 return 0
             time.sleep(1.0)
@@ -182,6 +191,7 @@ def _check_peer_config(swarm, n: int) -> None:
 
 def _watch(swarm, addr: str, key_file: str | None, dashboard: int | None = None) -> None:
     dht = _client_dht(addr, key_file, swarm.name)
+    owner = swarm_owner(key_file)
     tty = sys.stdout.isatty()
     lines = 0
     server = watch = None
@@ -191,14 +201,14 @@ def _watch(swarm, addr: str, key_file: str | None, dashboard: int | None = None)
             from atomtrain.dashboard.server import start_dashboard
             from atomtrain.errors import AtomError
 
-            watch = SwarmWatch(dht, swarm.name).start()
+            watch = SwarmWatch(dht, swarm.name, owner).start()
             try:
                 server = start_dashboard(watch, "127.0.0.1", dashboard)
             except OSError as e:
                 raise AtomError(f"cannot listen on 127.0.0.1:{dashboard} ({e.strerror})") from None
             print(f"dashboard at {server.url()}", file=sys.stderr, flush=True)
         while swarm.running():
-            table = _table(dht, swarm.name)
+            table = _table(dht, swarm.name, owner)
             if tty and lines:
                 sys.stdout.write(f"\x1b[{lines}F\x1b[J")
             print(table, flush=True)

@@ -24,8 +24,12 @@ GONE_AFTER_S = 10.0
 
 
 class SwarmWatch:
-    def __init__(self, dht: Any, swarm: str, every_s: float = 1.0) -> None:
+    def __init__(
+        self, dht: Any, swarm: str, owner: str | None = None, every_s: float = 1.0
+    ) -> None:
         self.dht, self.swarm, self.every_s = dht, swarm, every_s
+        self.owner = owner
+        """A keyed swarm's owner: only statuses signed under its certificates are shown."""
         self._lock = threading.Lock()
         self._latest: dict[str, PeerStatus] = {}
         self._history: dict[str, deque[tuple[float, int, float]]] = {}
@@ -45,7 +49,7 @@ class SwarmWatch:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.collect(read_statuses(self.dht, self.swarm), time.time())
+                self.collect(read_statuses(self.dht, self.swarm, self.owner), time.time())
             except Exception as e:  # the DHT busy or gone: say so on the page, keep trying
                 with self._lock:
                     self._error = f"cannot read the swarm's status ({type(e).__name__})"
