@@ -51,7 +51,7 @@ COMMANDS: dict[str, list[str] | str] = {
         "test_compile: its parts and its bad input (Inductor compiles for a minute or more)"
     ),
     "atomtrain bench churn --json": "test_peer: the churn scenario",
-    "atomtrain bench attack --json": "test_security: the attack benchmark",
+    "atomtrain bench attack --json": "test_attacks: its attacks and report; test_security",
     "atomtrain bench preempt --json": "test_sched: preemption",
     "atomtrain bench reuse --json": "test_reuse: data echoing",
     "atomtrain swarm --peers 3": "test_peer: local swarms",
