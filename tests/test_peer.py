@@ -228,3 +228,40 @@ def wait_for_files(root: Path, name: str, timeout_s: float = 120) -> list[Path]:
             return found
         time.sleep(0.2)
     raise TimeoutError(f"no {name} under {root}")
+
+
+def test_ctrl_c_stops_a_swarm_peer_with_a_checkpoint(tmp_path: Path, prepared: Path):
+    """hivemind ignores SIGINT in the process that starts an averager; a peer must still stop on
+    Ctrl-C (from a terminal, or from `atomtrain swarm` stopping its peers), even when started by
+    a process that ignores it."""
+    import signal
+
+    argv = [
+        sys.executable, "-m", "atomtrain.cli.main", "train", "--quiet", "--no-sample",
+        "--peer.swarm=ctrlc", f"--data.prepared={prepared}", "--model.preset=tiny",
+        "--data.seq_len=32", "--train.steps=100000", "--train.eval_interval=1000000",
+        "--train.checkpoint_interval=1000000", "--peer.final_wait_s=1",
+        f"--run.out_dir={tmp_path / 'runs'}", "--run.name=p",
+    ]  # fmt: skip
+    peer = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as a background job
+    )
+    try:
+        deadline = time.time() + 120
+        metrics = tmp_path / "runs" / "p" / "metrics.jsonl"
+        while time.time() < deadline and not any("round" in r for r in read_metrics(metrics)):
+            assert peer.poll() is None, peer.communicate()[0][-2000:]
+            time.sleep(0.5)  # the averager is up once steps report their round
+        peer.send_signal(signal.SIGINT)
+        out, _ = peer.communicate(timeout=90)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+    assert peer.returncode == 130, out[-2000:]  # stopped by Ctrl-C, as a shell reports it
+    assert "stopped early; continue with" in out
+    assert latest_checkpoint(tmp_path / "runs" / "p") is not None

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+import threading
 
 from atomtrain.errors import AtomError
 
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     from atomtrain.peer.hygiene import install
 
     install()  # before any child process: every helper this process forks dies with it
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C stops a run even when the parent ignored it (a background job, or a process
+        # that started a hivemind averager, which ignores SIGINT and passes that on)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     logging.basicConfig(

@@ -38,6 +38,8 @@ import logging
 import multiprocessing as mp
 import queue
 import random
+import signal
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -156,6 +158,9 @@ class ProbedAverager:
         self._stalls: list[tuple[str, str]] = []
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
+        # hivemind ignores SIGINT in the calling process to start the averager and leaves it so:
+        # Ctrl-C (how a peer is stopped, with a checkpoint) must still reach the trainer
+        on_interrupt = signal.getsignal(signal.SIGINT)
         self.averager = GuardedAverager(
             state_provider,
             gate or MemberGate(None, prefix),
@@ -181,6 +186,8 @@ class ProbedAverager:
             declare_state_period=5.0,
             shutdown_timeout=3.0,
         )
+        if on_interrupt is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, on_interrupt)
         self.defence = defence
         self._probe = 0.0
         self._control: Any = None
