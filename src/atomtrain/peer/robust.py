@@ -206,14 +206,14 @@ class RobustReducer(TensorPartReducer):
 
     def _center(self, parts: dict[int, torch.Tensor]) -> tuple[torch.Tensor, bool]:
         """The median of three or more parts; with fewer, no majority exists and the reducer
-        trusts its own part (True: centered on it), or without it, none: around zero, each part
-        is clipped to the typical size (the smaller norm)."""
+        trusts its own part (True: centered on it), or without it, their mean (which judges
+        no one: _combine bans only against a majority or its own part)."""
         if len(parts) >= 3:
             return median_center(list(parts.values())), False
         own = parts.get(self.own_sender)
         if own is not None:
             return own, True
-        return torch.zeros_like(next(iter(parts.values()))), False
+        return median_center(list(parts.values())), False
 
     def _mean(self, items, shape: torch.Size) -> torch.Tensor:
         out = torch.zeros(shape)
