@@ -76,7 +76,9 @@ class Finisher:
         ahead = max(s.round for s in others)
         if ahead <= peer.round:
             return
-        state = peer.averager.download_state(peer.cfg.state_timeout_s, peer.state_sources())
+        state = peer.averager.download_state(
+            peer.cfg.state_timeout_s, peer.state_sources(fresh=True)
+        )
         problem = peer.checker.problem(state, min_round=ahead)
         if problem is not None:
             log.warning("could not catch up with the swarm before the last round: %s", problem)
@@ -104,7 +106,7 @@ class Finisher:
             if any(s.done for s in peer.live_others() if s.peer_id == representative):
                 break
             time.sleep(0.25)
-        sources = peer.state_sources(first=representative)
+        sources = peer.state_sources(first=representative, fresh=True)
         state = peer.averager.download_state(peer.cfg.state_timeout_s, sources)
         problem = peer.checker.problem(state)
         if problem is not None:

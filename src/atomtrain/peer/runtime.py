@@ -395,10 +395,13 @@ class PeerRuntime:
             return PeerID.from_base58(self.membership.certificate().peer_id)
         return self.dht.peer_id
 
-    def state_sources(self, first: str = "") -> list[str]:
-        """Whom a state download asks, best first (state.py); `first` before all others."""
-        # the status thread's last reading: a DHT read here would block the training thread
-        others = self._known_others
+    def state_sources(self, first: str = "", fresh: bool = False) -> list[str]:
+        """Whom a state download asks, best first (state.py); `first` before all others. From
+        the status thread's last reading (a DHT read would block the training thread), or with
+        `fresh` (the finish, where nothing trains any more) read now."""
+        others = self.live_others() if fresh or not self._known_others else self._known_others
+        if fresh:
+            self._known_others = others
         sources = download_sources(others, self.peer_id)
         return [first, *[s for s in sources if s != first]] if first else sources
 
