@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import (
@@ -295,6 +296,10 @@ class ProbedAverager:
             raise RoundFailed(f"round failed: {type(e).__name__}: {e}") from None
         if not gathered:
             raise RoundFailed("no group formed")
+        if self._discard.value != FORGED:  # else a name may be the leader's invention
+            for peer_id, g in gathered.items():
+                if isinstance(g, dict):
+                    self.names[peer_id.to_base58()] = str(g.get("name", ""))[:64]
         if self._discard.value == FORGED:
             raise RoundFailed(
                 "the leader sent metadata its members did not sign: took part for the others, "
@@ -312,8 +317,6 @@ class ProbedAverager:
             raise RoundFailed("a group member sent malformed round metadata")
         own_id = self.averager.peer_id
         ids = list(gathered)
-        for peer_id, g in gathered.items():
-            self.names[peer_id.to_base58()] = str(g.get("name", ""))[:64]
         try:
             weights = [float(g["weight"]) for g in peers]
             probes = [float(g["probe"]) for g in peers]
@@ -599,10 +602,13 @@ class GuardedAverager(DecentralizedAverager):
         try:
             bandwidth, mode, user = self.serializer.loads(data)
             info = self.serializer.loads(user)
-            numbers = [float(bandwidth), float(info["weight"]), float(info["probe"])]
+            numbers = [float(info["weight"]), float(info["probe"])]
+            if bandwidth is not None:  # hivemind's default: unknown
+                numbers.append(float(bandwidth))
+            AveragingMode(mode)
         except Exception:  # anything at all may have been signed
             return False
-        return isinstance(mode, int) and all(map(_finite, numbers))
+        return all(_finite(x) and x >= 0 for x in numbers)
 
     # --- robust all-reduce ------------------------------------------------------------------
 
