@@ -12,7 +12,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer as Serializer
 
-from atomtrain.peer.averaging import FORGED, MALFORMED, GuardedAverager
+from atomtrain.peer.averaging import FORGED, MALFORMED, UNVERIFIED, GuardedAverager
 from atomtrain.peer.certs import peer_id_of
 from atomtrain.peer.gather import check, seal, unseal
 
@@ -97,8 +97,8 @@ def test_forged_metadata_blames_the_leader_and_malformed_signed_metadata_its_sig
         for k, p in zip(keys, ids, strict=True)
     ]
 
-    def checked(gathered: list[bytes]) -> Checker:
-        me = Checker(keys[0], public, honest[0])
+    def checked(gathered: list[bytes], certified: dict[PeerID, str] = public) -> Checker:
+        me = Checker(keys[0], certified, honest[0])
         me._leaders[b"g"] = ids[1]
         out = asyncio.run(me._checked(GroupInfo(b"g", tuple(ids), tuple(gathered))))
         assert out.gathered[2] == (unseal(gathered[2]) or SimpleNamespace(data=gathered[2])).data
@@ -123,3 +123,7 @@ def test_forged_metadata_blames_the_leader_and_malformed_signed_metadata_its_sig
     me = checked([honest[0], honest[1], bad])
     assert me._discard.value == MALFORMED
     assert me.rejected == [(ids[2], "signed malformed round metadata")]
+    # no certificate in this member's view for member 2 (its DHT did not answer): the round is
+    # discarded, and no one blamed
+    me = checked(honest, {p: k for p, k in public.items() if p != ids[2]})
+    assert (me._discard.value, me.rejected) == (UNVERIFIED, [])

@@ -72,7 +72,7 @@ from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
 from atomtrain.peer.download import download_from
 from atomtrain.peer.exact import ExactAverageRunner
-from atomtrain.peer.gather import check, seal, unseal
+from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, equal_weights
 from atomtrain.peer.sync import in_sync_flags
@@ -84,10 +84,10 @@ from atomtrain.peer.traffic import (
 )
 
 log = logging.getLogger(__name__)
-BANNED, FORGED, MALFORMED = 1, 2, 3
+BANNED, FORGED, MALFORMED, UNVERIFIED = 1, 2, 3, 4
 """Why a round is discarded (set by hivemind's process): it held a peer this one banned or
 excludes; the leader sent a member's metadata that member did not sign; a member signed
-malformed metadata."""
+malformed metadata; no certificate this peer could read names a member."""
 STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
 follower, never asked as a leader), twice as many at each further stall."""
@@ -307,6 +307,11 @@ class ProbedAverager:
             )
         if self._discard.value == MALFORMED:
             raise RoundFailed("a group member signed malformed round metadata: rejected it")
+        if self._discard.value == UNVERIFIED:
+            raise RoundFailed(
+                "no certificate found for a group member's metadata key: took part for the "
+                "others, applied nothing"
+            )
         if self._discard.value:
             raise RoundFailed(
                 "the group held a peer this one banned or excludes: took part for the others, "
@@ -572,30 +577,32 @@ class GuardedAverager(DecentralizedAverager):
         leader rejected. Metadata its member sealed but no honest member sends (H1) rejects
         that member. Either way this member still takes part, for the others."""
         leader = self._leaders.pop(group_info.group_id, self.peer_id)
-        blobs, forged, sealed = [], [], []
+        blobs, forged, unknown = [], [], []
         for peer_id, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
             data, why = await self._unsealed(blob, peer_id)
             if peer_id == self.peer_id and blob != self._sealed:
                 data, why = None, "not what it sent"
             if data is None:
-                forged.append(f"{peer_id.to_base58()[-8:]}'s ({why})")
+                (unknown if why == NO_KEY else forged).append(
+                    f"{peer_id.to_base58()[-8:]}'s ({why})"
+                )
                 opened = unseal(blob)
                 data = opened.data if opened is not None else blob
-            else:
-                sealed.append(peer_id)
             blobs.append(data)
-        self._trusted = not forged
+        group_info = replace(group_info, gathered=tuple(blobs))
+        self._trusted = not (forged or unknown)
         if forged:
             self._discard.value = FORGED
             if leader != self.peer_id:
                 self._reject(leader, f"led a round with forged metadata: {', '.join(forged)}")
-            return replace(group_info, gathered=tuple(blobs))
-        if self._gate.signing_key is not None:  # open swarms: a leader could have made it up
+        elif unknown:  # no certificate in this peer's view (a DHT that did not answer): no blame
+            self._discard.value = UNVERIFIED
+        elif self._gate.signing_key is not None:  # open swarms: a leader could have made it up
             for peer_id, data in zip(group_info.peer_ids, blobs, strict=True):
                 if not self._well_formed(data):
                     self._discard.value = MALFORMED
                     self._reject(peer_id, "signed malformed round metadata")
-        return replace(group_info, gathered=tuple(blobs))
+        return group_info
 
     def _well_formed(self, data: bytes) -> bool:
         """hivemind's part and the fields every round reads, as an honest member sends them."""

@@ -24,6 +24,9 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
 
 TAG = "atom-gather/1"
+NO_KEY = "no certified key"
+"""Why a blob fails when no certificate names its peer ID (nobody to blame: the roster may not
+have answered)."""
 
 
 def _payload(prefix: str, peer_id: str, at: float, data: bytes) -> bytes:
@@ -76,7 +79,7 @@ def check(
     if sealed is None:
         return None, "not sealed"
     if public_key is None:
-        return None, "no certified key"
+        return None, NO_KEY
     try:
         key = RSAPublicKey.from_bytes(public_key.encode())
         valid = key.verify(_payload(prefix, peer_id, sealed.at, sealed.data), sealed.signature)
