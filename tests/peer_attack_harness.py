@@ -115,7 +115,6 @@ def main() -> None:
         Defence() if defend else None,
         attack=attack if index == 2 else "",
     )
-    (work / f"id{index}").write_text(dht.peer_id.to_base58())
     delta, weight, rms_claim = vectors(index), 1.0, 0.0
     if index == 2:
         delta = poison(attack, honest_mean() if attack == "inflate" else delta)

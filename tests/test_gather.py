@@ -71,6 +71,7 @@ class Checker:
     _checked = GuardedAverager._checked
     _unsealed = GuardedAverager._unsealed
     _well_formed = GuardedAverager._well_formed
+    _name_in = GuardedAverager._name_in
     serializer = Serializer
 
     def __init__(self, own: RSAPrivateKey, keys: dict[PeerID, str], sent: bytes) -> None:
@@ -82,6 +83,7 @@ class Checker:
         self.prefix, self.dht, self._round_at, self._window_s = PREFIX, None, AT, WINDOW_S
         self._sealed, self._leaders = sent, {}
         self._discard = SimpleNamespace(value=0)
+        self._events = SimpleNamespace(put=lambda event: None)
         self.rejected: list[tuple[PeerID, str]] = []
 
     def _reject(self, peer_id: PeerID, why: str) -> None:

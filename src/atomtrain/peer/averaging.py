@@ -165,7 +165,7 @@ class ProbedAverager:
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
         self._stalls: list[tuple[str, str]] = []
-        self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
+        self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata (events)
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
         # hivemind ignores SIGINT in the calling process to start the averager and leaves it so:
         # Ctrl-C (how a peer is stopped, with a checkpoint) must still reach the trainer
@@ -296,10 +296,6 @@ class ProbedAverager:
             raise RoundFailed(f"round failed: {type(e).__name__}: {e}") from None
         if not gathered:
             raise RoundFailed("no group formed")
-        if self._discard.value != FORGED:  # else a name may be the leader's invention
-            for peer_id, g in gathered.items():
-                if isinstance(g, dict):
-                    self.names[peer_id.to_base58()] = str(g.get("name", ""))[:64]
         if self._discard.value == FORGED:
             raise RoundFailed(
                 "the leader sent metadata its members did not sign: took part for the others, "
@@ -373,6 +369,9 @@ class ProbedAverager:
                 peer_id, why, kind = self._events.get_nowait()
             except queue.Empty:
                 return out
+            if kind == "name":  # from metadata its member signed (any, in open swarms)
+                self.names[peer_id] = why
+                continue
             named = (self.names.get(peer_id) or peer_id, why)
             (self._stalls if kind == "stall" else out).append(named)
 
@@ -588,6 +587,8 @@ class GuardedAverager(DecentralizedAverager):
                 )
                 opened = unseal(blob)
                 data = opened.data if opened is not None else blob
+            else:  # named before anything this round reports about it
+                self._events.put((peer_id.to_base58(), self._name_in(data), "name"))
             blobs.append(data)
         group_info = replace(group_info, gathered=tuple(blobs))
         self._trusted = not (forged or unknown)
@@ -603,6 +604,13 @@ class GuardedAverager(DecentralizedAverager):
                     self._discard.value = MALFORMED
                     self._reject(peer_id, "signed malformed round metadata")
         return group_info
+
+    def _name_in(self, data: bytes) -> str:
+        try:
+            info = self.serializer.loads(self.serializer.loads(data)[2])
+            return str(info.get("name", ""))[:64]
+        except Exception:  # malformed: named by its peer ID
+            return ""
 
     def _well_formed(self, data: bytes) -> bool:
         """hivemind's part and the fields every round reads, as an honest member sends them."""
