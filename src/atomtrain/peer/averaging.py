@@ -418,7 +418,8 @@ class GuardedAverager(DecentralizedAverager):
 
     Runs in its own process. Serves the peer's state (metadata, tensors) to joiners that pass the
     gate; refuses group requests, tensor parts and state downloads from callers that do not; never
-    asks a leader that does not; and reports each member it rejects through `events`.
+    asks a leader that does not; seals the metadata it tells its group and checks its group's
+    (gather.py); and reports each member it rejects through `events`.
     """
 
     def __init__(

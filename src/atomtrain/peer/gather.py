@@ -11,7 +11,8 @@ than the freshness window (a replay inside it carries a stale probe: the probe c
 round; the signer itself sees its own blob changed).
 
 Open swarms have no key bound to a peer ID (their records are signed with a per-runtime key that
-nothing ties to the peer's libp2p identity), so their blobs are neither sealed nor checked.
+nothing ties to the peer's libp2p identity), so their blobs are neither sealed nor checked; a
+member there only sees whether its own blob came back as it sent it.
 """
 
 from __future__ import annotations
