@@ -7,7 +7,8 @@ rounds together (file barriers) and save what each round gave them to WORKDIR/ou
 `inflate`, peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and
 claims a million times the others' tokens and a thousand times their update size. With `stall`,
 peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
-longer than the round's timeout.
+longer than the round's timeout. With `forge_gather`, peer 2 trains honestly, starts each round
+first (so it leads) and sends its followers another member's metadata rewritten.
 """
 
 import contextlib
@@ -112,6 +113,7 @@ def main() -> None:
         lambda: ({}, []),
         MemberGate(KEY, "atk"),
         Defence() if defend else None,
+        attack=attack if index == 2 else "",
     )
     delta, weight, rms_claim = vectors(index), 1.0, 0.0
     if index == 2:
@@ -121,6 +123,8 @@ def main() -> None:
     rounds, rejected, stalled = [], [], []
     for r in range(ROUNDS):
         barrier(work, f"round{r}_", index)
+        if attack == "forge_gather" and index < 2:
+            time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
         if index == 2 and attack == "stall":
             stalled_round(avg, delta)
             continue

@@ -233,6 +233,23 @@ def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: P
         assert not out["rejected"]  # left out for a while, not banned for good
 
 
+def test_a_leader_that_forges_a_members_metadata_loses_its_round_and_is_named(tmp_path: Path):
+    """Peer 2 trains honestly and leads the first round (it starts first); as leader it sends
+    its followers another member's claimed rms and weight rewritten under that member's
+    signature. Both honest peers find a blob its member did not seal: they apply nothing of that
+    round and reject the leader (not its victim); the next rounds land between them."""
+    outs = run_round(tmp_path, "forge_gather", defend=True)
+    for out in outs.values():
+        first, *later = out["rounds"]
+        assert first["failed"] and "did not sign" in first["why"], out["rounds"]
+        # named as its own signed metadata names it (the harness names peer i "h{i}")
+        assert [who for who, _ in out["rejected"]] == ["h2"], out["rejected"]
+        assert "forged metadata" in out["rejected"][0][1]
+        assert later and all(not r["failed"] and r["group"] == 2 for r in later), later
+        for r in later:
+            assert torch.allclose(r["delta"], honest_mean(), atol=1e-6)
+
+
 def test_every_member_weighs_the_same_whatever_it_claims():
     assert equal_weights([100.0, 110.0, 1e9]) == [1.0, 1.0, 1.0]
     assert equal_weights([float("nan"), 5.0, 0.0, -3.0])[::2] == [pytest.approx(1e-6)] * 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,13 +30,17 @@ ATTACKS = (
     "sybil",
     "dht_overwrite",
     "stall",
+    "forge_gather",
 )
 """`push`: the update pushed far in one fixed direction, inside the radius a reducer drops
 beyond; `inflate`: the same push, claiming a million times the tokens trained on; `sybil`: a
 process that takes part under a new peer ID with its member's certificate (and signing key),
 sending sign-flipped updates; `dht_overwrite`: a member that trains honestly and writes over
 every other peer's status and certificate in the DHT; `stall`: a member that joins each round's
-group and then goes silent (its averager frozen past the round's timeout)."""
+group and then goes silent (its averager frozen past the round's timeout); `forge_gather`: a
+member that trains honestly and, whenever it leads a group, sends its followers another member's
+metadata rewritten (a thousand times the rms and weight it claimed), under that member's
+signature."""
 ALIE_Z = 1.0
 """How many honest standard deviations "a little is enough" (Baruch et al., 2019) moves each
 coordinate: z = 1, as in its evaluations, where the rule max over (n - s)/n gives z <= 0 for a
@@ -154,3 +159,30 @@ def stall_rounds(peer: Any, stop: threading.Event) -> None:
             os.kill(pid, signal.SIGCONT)
         while averager.running and not averager.done() and not stop.wait(0.05):
             pass  # the spoiled round ends before the next one is stalled
+
+
+FORGED_FACTOR = 1e3
+"""`forge_gather` multiplies the victim's claimed rms and weight by this."""
+
+
+def forge_gathered(message: Any, leader: Any) -> None:
+    """`forge_gather`, in the leader's averager: rewrite, in the group's metadata it sends a
+    follower (hivemind's BEGIN_ALLREDUCE message), the first other member's claimed rms and
+    weight, keeping that member's signature (a leader cannot make a new one)."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.serializer import MSGPackSerializer as Serializer
+
+    from atomtrain.peer.gather import unseal
+
+    for i, peer in enumerate(message.ordered_peer_ids):
+        if PeerID(peer) == leader:
+            continue
+        sealed = unseal(message.gathered[i])
+        data = sealed.data if sealed is not None else message.gathered[i]
+        bandwidth, mode, user = Serializer.loads(data)
+        info = Serializer.loads(user)
+        for field in ("rms", "weight"):
+            info[field] = float(info.get(field, 1.0)) * FORGED_FACTOR
+        data = Serializer.dumps([bandwidth, mode, Serializer.dumps(info)])
+        message.gathered[i] = replace(sealed, data=data).pack() if sealed is not None else data
+        return

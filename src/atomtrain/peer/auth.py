@@ -363,10 +363,13 @@ class MemberGate:
     def __init__(self, credential: SwarmKey | Membership | None, swarm: str) -> None:
         membership = as_membership(credential, "gate")
         self.owner = membership.owner if membership is not None else None
+        self.signing_key = membership.private_key if membership is not None else None
+        """The key this peer's certificate binds to its peer ID: it seals the round metadata it
+        tells its groups (gather.py). None in an open swarm."""
         self.swarm = swarm
         self.banned: set[PeerID] = set()
         self.banned_members: set[str] = set()
-        self._verified: dict[PeerID, tuple[float, str]] = {}
+        self._verified: dict[PeerID, tuple[float, str, str]] = {}  # until, member, public key
 
     def ban(self, peer_id: PeerID) -> None:
         self.banned.add(peer_id)
@@ -379,20 +382,35 @@ class MemberGate:
             return False
         if self.owner is None:
             return True
+        member = await self._certified(dht, peer_id)
+        if member is None:
+            return False
+        if member[0] in self.banned_members:
+            self.banned.add(peer_id)
+            return False
+        return True
+
+    async def public_key(self, dht: Any, peer_id: PeerID) -> str | None:
+        """The RSA key a valid certificate binds to `peer_id` (None: none does, or open swarm)."""
+        if self.owner is None:
+            return None
+        member = await self._certified(dht, peer_id)
+        return member[1] if member is not None else None
+
+    async def _certified(self, dht: Any, peer_id: PeerID) -> tuple[str, str] | None:
+        """(member, public key) a valid, unrevoked certificate names for `peer_id`."""
         now = time.monotonic()
-        until, member = self._verified.get(peer_id, (0.0, ""))
+        until, member, key = self._verified.get(peer_id, (0.0, "", ""))
         if until <= now:
             try:
                 members = await dht.get(members_key(self.swarm), latest=True, return_future=True)
                 revoked = await dht.get(revoked_key(self.swarm), latest=True, return_future=True)
             except Exception:
-                return False
+                return None
+            assert self.owner is not None
             cert = roster_of(members, revoked, self.owner).of_peer(peer_id.to_base58())
             if cert is None:
-                return False
-            member = cert.member
-            self._verified[peer_id] = (now + PROOF_TTL_S, member)
-        if member in self.banned_members:
-            self.banned.add(peer_id)
-            return False
-        return True
+                return None
+            member, key = cert.member, cert.public_key
+            self._verified[peer_id] = (now + PROOF_TTL_S, member, key)
+        return member, key

@@ -42,7 +42,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
 from typing import Any, AsyncIterator  # noqa: UP035
@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from hivemind import DHT
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import (
@@ -66,10 +67,12 @@ from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
+from atomtrain.peer.attack import forge_gathered
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
 from atomtrain.peer.download import download_from
 from atomtrain.peer.exact import ExactAverageRunner
+from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, equal_weights
 from atomtrain.peer.sync import in_sync_flags
@@ -81,6 +84,10 @@ from atomtrain.peer.traffic import (
 )
 
 log = logging.getLogger(__name__)
+BANNED, FORGED, MALFORMED, UNVERIFIED = 1, 2, 3, 4
+"""Why a round is discarded (set by hivemind's process): it held a peer this one banned or
+excludes; the leader sent a member's metadata that member did not sign; a member signed
+malformed metadata; no certificate this peer could read names a member."""
 STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
 follower, never asked as a leader), twice as many at each further stall."""
@@ -136,7 +143,9 @@ class ProbedAverager:
         state_provider: Any,
         gate: MemberGate | None = None,
         defence: Defence | None = None,
+        attack: str = "",
     ) -> None:
+        """`attack`: `forge_gather` makes this averager a leader that forges (bench attack)."""
         self.pieces = pieces
         self.timeout_s = timeout_s
         wire, dtype, _ = codec(compression)
@@ -156,7 +165,7 @@ class ProbedAverager:
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
         self._stalls: list[tuple[str, str]] = []
-        self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata
+        self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata (events)
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
         # hivemind ignores SIGINT in the calling process to start the averager and leaves it so:
         # Ctrl-C (how a peer is stopped, with a checkpoint) must still reach the trainer
@@ -172,6 +181,9 @@ class ProbedAverager:
             self._discard,
             tensors,
             dht,
+            # a member's round is scheduled at most this far from its group's (retries keep it)
+            window_s=timeout_s + 2 * matchmaking_s,
+            attack=attack,
             prefix=prefix,
             start=True,
             target_group_size=target_group_size,
@@ -284,6 +296,18 @@ class ProbedAverager:
             raise RoundFailed(f"round failed: {type(e).__name__}: {e}") from None
         if not gathered:
             raise RoundFailed("no group formed")
+        if self._discard.value == FORGED:
+            raise RoundFailed(
+                "the leader sent metadata its members did not sign: took part for the others, "
+                "applied nothing, rejected the leader"
+            )
+        if self._discard.value == MALFORMED:
+            raise RoundFailed("a group member signed malformed round metadata: rejected it")
+        if self._discard.value == UNVERIFIED:
+            raise RoundFailed(
+                "no certificate found for a group member's metadata key: took part for the "
+                "others, applied nothing"
+            )
         if self._discard.value:
             raise RoundFailed(
                 "the group held a peer this one banned or excludes: took part for the others, "
@@ -294,8 +318,6 @@ class ProbedAverager:
             raise RoundFailed("a group member sent malformed round metadata")
         own_id = self.averager.peer_id
         ids = list(gathered)
-        for peer_id, g in gathered.items():
-            self.names[peer_id.to_base58()] = str(g.get("name", ""))[:64]
         try:
             weights = [float(g["weight"]) for g in peers]
             probes = [float(g["probe"]) for g in peers]
@@ -347,6 +369,9 @@ class ProbedAverager:
                 peer_id, why, kind = self._events.get_nowait()
             except queue.Empty:
                 return out
+            if kind == "name":  # from metadata its member signed (any, in open swarms)
+                self.names[peer_id] = why
+                continue
             named = (self.names.get(peer_id) or peer_id, why)
             (self._stalls if kind == "stall" else out).append(named)
 
@@ -393,7 +418,8 @@ class GuardedAverager(DecentralizedAverager):
 
     Runs in its own process. Serves the peer's state (metadata, tensors) to joiners that pass the
     gate; refuses group requests, tensor parts and state downloads from callers that do not; never
-    asks a leader that does not; and reports each member it rejects through `events`.
+    asks a leader that does not; seals the metadata it tells its group and checks its group's
+    (gather.py); and reports each member it rejects through `events`.
     """
 
     def __init__(
@@ -407,10 +433,17 @@ class GuardedAverager(DecentralizedAverager):
         traffic: Traffic,
         discard: Any,
         *args: Any,
+        window_s: float = 60.0,
+        attack: str = "",
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
         self._traffic, self._discard = traffic, discard
+        self._window_s, self._attack = window_s, attack
+        self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
+        self._sealed = b""  # what this member sent its group this round
+        self._leaders: dict[bytes, PeerID] = {}  # group ID -> the leader that formed it
+        self._trusted = True  # the round's metadata is its members' (robust bans count)
         self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
         self._stalls: dict[PeerID, int] = {}  # peer -> times it stalled a round
         self._kinds, self._events, self._inputs = kinds, events, inputs
@@ -454,12 +487,16 @@ class GuardedAverager(DecentralizedAverager):
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if self._excluded(context.remote_id) or not await self._gate.allows(
-            self.dht, context.remote_id
-        ):
+        if (
+            self._excluded(context.remote_id)
+            or not await self._gate.allows(self.dht, context.remote_id)
+            or (await self._unsealed(request.gather, context.remote_id))[0] is None
+        ):  # an honest leader never forwards metadata its sender did not seal
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
+            if self._attack == "forge_gather" and message.code == averaging_pb2.BEGIN_ALLREDUCE:
+                forge_gathered(message, self.peer_id)  # bench attack only
             yield message
 
     async def rpc_aggregate_part(
@@ -488,6 +525,17 @@ class GuardedAverager(DecentralizedAverager):
         self._guard_leaders()
         # a new round: one fewer to leave stalled members out of
         self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
+        self._leaders.clear()
+        self._round_at = step.scheduled_time
+        if self._gate.signing_key is not None:  # this step's copy, in this process
+            step._data_for_gather = seal(
+                self._gate.signing_key,
+                self.prefix,
+                self.peer_id.to_base58(),
+                self._round_at,
+                step.data_for_gather,
+            )
+        self._sealed = step.data_for_gather
         return await super()._step(step=step, future_for_init=future_for_init)
 
     def _guard_leaders(self) -> None:
@@ -497,20 +545,94 @@ class GuardedAverager(DecentralizedAverager):
         if matchmaking is None or getattr(matchmaking, "_atom_guarded", False):
             return
         ask = matchmaking._request_join_group
+        assemble = matchmaking.follower_assemble_group
 
         async def guarded(leader: PeerID):
             if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
                 return None
             return await ask(leader)
 
+        async def followed(leader: PeerID, message: Any):
+            group_info = await assemble(leader, message)
+            self._leaders[group_info.group_id] = leader  # whom to blame for forged metadata
+            return group_info
+
         matchmaking._request_join_group = guarded
+        matchmaking.follower_assemble_group = followed
         matchmaking._atom_guarded = True
+
+    # --- signed metadata (gather.py) --------------------------------------------------------
+
+    async def _unsealed(self, blob: bytes, peer_id: PeerID) -> tuple[bytes | None, str]:
+        """(hivemind's blob, "") when `peer_id` sealed `blob` for this round (open swarms seal
+        nothing: as it is); else (None, why)."""
+        if self._gate.signing_key is None:
+            return blob, ""
+        key = await self._gate.public_key(self.dht, peer_id)
+        return check(blob, self.prefix, peer_id.to_base58(), key, self._round_at, self._window_s)
+
+    async def _checked(self, group_info: Any) -> Any:
+        """The group with its members' metadata unsealed. Metadata a member did not seal can
+        only come from the leader, who forged or forwarded it: the round is discarded and the
+        leader rejected. Metadata its member sealed but no honest member sends (H1) rejects
+        that member. Either way this member still takes part, for the others."""
+        leader = self._leaders.pop(group_info.group_id, self.peer_id)
+        blobs, forged, unknown = [], [], []
+        for peer_id, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            data, why = await self._unsealed(blob, peer_id)
+            if peer_id == self.peer_id and blob != self._sealed:
+                data, why = None, "not what it sent"
+            if data is None:
+                (unknown if why == NO_KEY else forged).append(
+                    f"{peer_id.to_base58()[-8:]}'s ({why})"
+                )
+                opened = unseal(blob)
+                data = opened.data if opened is not None else blob
+            else:  # named before anything this round reports about it
+                self._events.put((peer_id.to_base58(), self._name_in(data), "name"))
+            blobs.append(data)
+        group_info = replace(group_info, gathered=tuple(blobs))
+        self._trusted = not (forged or unknown)
+        if forged:
+            self._discard.value = FORGED
+            if leader != self.peer_id:
+                self._reject(leader, f"led a round with forged metadata: {', '.join(forged)}")
+        elif unknown:  # no certificate in this peer's view (a DHT that did not answer): no blame
+            self._discard.value = UNVERIFIED
+        elif self._gate.signing_key is not None:  # open swarms: a leader could have made it up
+            for peer_id, data in zip(group_info.peer_ids, blobs, strict=True):
+                if not self._well_formed(data):
+                    self._discard.value = MALFORMED
+                    self._reject(peer_id, "signed malformed round metadata")
+        return group_info
+
+    def _name_in(self, data: bytes) -> str:
+        try:
+            info = self.serializer.loads(self.serializer.loads(data)[2])
+            return str(info.get("name", ""))[:64]
+        except Exception:  # malformed: named by its peer ID
+            return ""
+
+    def _well_formed(self, data: bytes) -> bool:
+        """hivemind's part and the fields every round reads, as an honest member sends them."""
+        try:
+            bandwidth, mode, user = self.serializer.loads(data)
+            info = self.serializer.loads(user)
+            numbers = [float(info["weight"]), float(info["probe"])]
+            if bandwidth is not None:  # hivemind's default: unknown
+                numbers.append(float(bandwidth))
+            AveragingMode(mode)
+        except Exception:  # anything at all may have been signed
+            return False
+        return all(_finite(x) and x >= 0 for x in numbers)
 
     # --- robust all-reduce ------------------------------------------------------------------
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        group_info = await self._checked(group_info)
         if any(p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids):
-            self._discard.value = 1  # take part for the others; apply nothing (module docstring)
+            # take part for the others; apply nothing (module docstring)
+            self._discard.value = self._discard.value or BANNED
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -560,7 +682,8 @@ class GuardedAverager(DecentralizedAverager):
             "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
             "in_sync": dict(zip(ids, membership(users), strict=True)),
             "defence": self._defence,
-            "on_reject": self._reject,
+            # metadata the leader forged may make an honest member look bad: no one is judged
+            "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
         }
 
 

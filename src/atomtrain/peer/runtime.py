@@ -254,6 +254,7 @@ class PeerRuntime:
             self._shared_state,
             MemberGate(self.membership, self.cfg.swarm),
             Defence(min_scale=self.lr * MIN_SCALE_STEPS) if self.cfg.defend else None,
+            attack=self.cfg.attack,
         )
         self.checker = StateCheck(self)
         if resumed is not None:
