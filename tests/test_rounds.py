@@ -218,7 +218,12 @@ def test_a_starting_peer_takes_the_swarms_period_or_a_power_of_two_that_nests():
 
     # alone at the start: 10 steps' time, up to 0.5 s times a power of two
     assert [first_period(s, []) for s in (0.01, 0.12, 0.15, 0.2, 0.21, 1.0)] == [
-        0.5, 2.0, 2.0, 2.0, 4.0, 16.0
+        0.5,
+        2.0,
+        2.0,
+        2.0,
+        4.0,
+        16.0,
     ]
     # a slower peer's slots are every faster peer's slots
     assert first_period(0.21, []) % first_period(0.12, []) == 0
