@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,3 +82,26 @@ def test_helpers_die_with_a_peer_killed_during_startup(prepared: Path, tmp_path:
         for p in seen.values():  # reap whatever a failing run left
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_training_thread_lowers_only_its_own_priority_and_what_it_starts():
+    from atomtrain.peer.hygiene import lower_thread_priority
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before, seen = nice(), {}
+
+    def training() -> None:
+        lower_thread_priority(5)
+        seen["training"] = nice()
+        loader = threading.Thread(target=lambda: seen.setdefault("started by it", nice()))
+        loader.start()
+        loader.join()
+
+    t = threading.Thread(target=training)
+    t.start()
+    t.join()
+    assert seen == {"training": min(before + 5, 19), "started by it": min(before + 5, 19)}
+    assert nice() == before  # the rest of the process (a server, the status thread) keeps its own

@@ -213,6 +213,26 @@ def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():
     assert _next_slot(100.2, 2.5) == 102.5 and _next_slot(102.5, 2.5) == 105.0
 
 
+def test_a_starting_peer_takes_the_swarms_period_or_a_power_of_two_that_nests():
+    from atomtrain.peer.runtime import first_period
+
+    # alone at the start: 10 steps' time, up to 0.5 s times a power of two
+    assert [first_period(s, []) for s in (0.01, 0.12, 0.15, 0.2, 0.21, 1.0)] == [
+        0.5,
+        2.0,
+        2.0,
+        2.0,
+        4.0,
+        16.0,
+    ]
+    # a slower peer's slots are every faster peer's slots
+    assert first_period(0.21, []) % first_period(0.12, []) == 0
+    # joining a running swarm: the median of the live peers' periods (none yet: 0 is ignored;
+    # one peer claiming an hour does not set it)
+    assert first_period(0.12, [3.5, 0.0, 3.5, 3600.0]) == 3.5
+    assert first_period(0.12, [0.0, 0.0]) == 2.0
+
+
 def test_resynchronizing_keeps_the_local_progress():
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(50, generator=g)}

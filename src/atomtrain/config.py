@@ -156,6 +156,11 @@ class PeerSection:
     goes with the next round: error feedback), or none."""
     matchmaking_s: float = 3.0
     """Time a round waits to gather a group."""
+    train_nice: int = 5
+    """Niceness the training thread adds to its own once it trains (Linux), so that while a round
+    runs, the peer's helpers (the averager, the p2p daemon) get the CPU first when they compete
+    with training for it, and the round lands sooner; between rounds they sleep and training has
+    the CPU alone. 0 leaves the priority alone."""
     averaging_timeout_s: float = 30.0
     """Longest a round may take before it counts as failed (its progress goes with the next)."""
     state_timeout_s: float = 60.0
@@ -192,6 +197,8 @@ class PeerSection:
                 raise AtomError(
                     f"peer.sync_every must be auto or a positive integer, got {self.sync_every!r}"
                 )
+        if not 0 <= self.train_nice <= 19:
+            raise AtomError(f"peer.train_nice must be 0..19, got {self.train_nice}")
         if not 1 <= self.min_sync_every <= self.max_sync_every:
             raise AtomError("peer.min_sync_every must be at least 1 and at most max_sync_every")
         if self.sync_mode not in ("async", "blocking"):

@@ -119,6 +119,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> int:
             print(f"serving completions on http://{host}:{port}/v1/completions", file=sys.stderr)
         bar = None if args.quiet else ProgressBar(cfg.train.steps, trainer.state.step, "train")
         trainer.on_step = bar.update if bar else None
+        if session.peer is not None:  # the peer's helpers (and a server) first, then training
+            from atomtrain.peer.hygiene import lower_thread_priority
+
+            lower_thread_priority(cfg.peer.train_nice)
         trainer.fit()
         if bar:
             bar.close()

@@ -149,3 +149,13 @@ def watch(pid: int) -> None:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # outlive a Ctrl-C the peer handles
     watch(int(sys.argv[1]))
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Add `nice` to the calling thread's niceness (Linux keeps one per thread; threads it starts
+    later inherit it). Lowering one's own priority needs no privilege; elsewhere, nothing."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))

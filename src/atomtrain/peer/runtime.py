@@ -584,7 +584,8 @@ class PeerRuntime:
         if not self.period_s:
             if self.steps_since_round < FIRST_SYNC_EVERY or not self._step_s:
                 return False
-            self.period_s = self._proposal_s = _grain(FIRST_SYNC_EVERY * self._step_s)
+            swarm = [s.period_s for s in self._known_others]
+            self.period_s = self._proposal_s = first_period(self._step_s, swarm)
         if not self._next_round_at:
             self._next_round_at = _next_slot(now + self._lead(), self.period_s)
         if now + self._lead() < self._next_round_at:
@@ -917,6 +918,7 @@ class PeerRuntime:
                 peer_id=self.peer_id,
                 sync_every=self.sync_every,
                 round_s=self.last_round_s,
+                period_s=self.period_s,
                 init_digest=self.init_digest if self.round == 0 else "",
                 sent_bps=sent_bps,
                 received_bps=received_bps,
@@ -951,6 +953,21 @@ class PeerRuntime:
 def _grain(seconds: float) -> float:
     """`seconds` rounded up to a whole number of PERIOD_GRAIN_S (at least one)."""
     return max(1, math.ceil(seconds / PERIOD_GRAIN_S - 1e-9)) * PERIOD_GRAIN_S
+
+
+def first_period(step_s: float, swarm: list[float]) -> float:
+    """A starting peer's period: the swarm's (the median of the periods the live peers last
+    published), or, in a swarm starting at once, FIRST_SYNC_EVERY steps' time rounded up to
+    PERIOD_GRAIN_S times a power of two. Peers whose step times differ a little then mostly
+    start on the same period, and where one's is twice another's, each of its slots is also a
+    slot of the other's: they meet there and take the group's period. (Rounded to PERIOD_GRAIN_S
+    only, 4 peers started at once on first periods of 1.5 and 2 s met in two groups of 2, whose
+    synchronized parameters then differed, and stayed apart for most of the run.)"""
+    published = [p for p in swarm if 0 < p <= MAX_PERIOD_S]
+    if published:
+        return statistics.median_low(published)
+    grains = max(FIRST_SYNC_EVERY * step_s / PERIOD_GRAIN_S, 1.0)
+    return PERIOD_GRAIN_S * 2 ** math.ceil(math.log2(grains) - 1e-9)
 
 
 def _next_slot(now: float, period: float) -> float:

@@ -40,6 +40,9 @@ class PeerStatus:
     """Local steps between rounds now (chosen automatically unless set)."""
     round_s: float = 0.0
     """Duration of the last applied round, from its start to its result."""
+    period_s: float = 0.0
+    """With H auto: seconds between this peer's round slots now (0: none yet); a peer that
+    starts takes the swarm's (the median of the live peers')."""
     init_digest: str = ""
     """While at round 0: a digest of the initial parameters (joiners that built the same ones
     from the shared seed need no download)."""
@@ -81,6 +84,7 @@ class PeerStatus:
                 peer_id=str(value.get("peer_id", ""))[:128],
                 sync_every=int(value.get("sync_every", 0)),
                 round_s=float(value.get("round_s", 0.0)),
+                period_s=_nonnegative(value.get("period_s", 0.0)),
                 init_digest=str(value.get("init_digest", ""))[:64],
                 sent_bps=_nonnegative(value.get("sent_bps", 0.0)),
                 received_bps=_nonnegative(value.get("received_bps", 0.0)),
