@@ -961,8 +961,8 @@ def first_period(step_s: float, swarm: list[float]) -> float:
     PERIOD_GRAIN_S times a power of two. Peers whose step times differ a little then mostly
     start on the same period, and where one's is twice another's, each of its slots is also a
     slot of the other's: they meet there and take the group's period. (Rounded to PERIOD_GRAIN_S
-    only, 4 peers started at once on first periods of 1.5 and 2 s met in two groups of 2, whose
-    synchronized parameters then differed, and stayed apart for most of the run.)"""
+    only, 4 peers started at once first met in two groups of 2, one pair on a period of about 12
+    steps and the other of about 23, whose synchronized parameters then differed.)"""
     published = [p for p in swarm if 0 < p <= MAX_PERIOD_S]
     if published:
         return statistics.median_low(published)
