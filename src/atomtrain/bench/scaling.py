@@ -80,13 +80,16 @@ class ScalingBenchConfig:
     """Micro-batches of the pipeline (GPipe)."""
     sync_every: str = "auto"
     """Passed to every peer as --peer.sync_every."""
-    compression: str = "int4"
-    """Passed to every peer as --peer.compression. 4 bits an element, as a user on a slow link
-    would choose: a 2-peer round at 10 Mbit/s took 0.64 s against 1.05 s in int8 and 1.84 s in
-    float16 (median of 33-49 rounds, seed 0), and with error feedback it cost no loss in a
-    simulation of 2 workers (a round every 10 steps landing 5 steps late, validation loss after
-    750 and 1000 steps: 2.18 and 2.15 in int4, 2.18 and 2.16 in int8, 2.18-2.19 and 2.10-2.16
-    unrounded)."""
+    compression: str = "int8"
+    """Passed to every peer as --peer.compression: 8 bits an element, as a user on a slow link
+    would choose. A 2-peer round at 10 Mbit/s took 1.05 s in int8 against 1.84 s in float16 and
+    0.64 s in int4 (medians of 33-49 rounds, seed 0), and neither 8 nor 4 bits cost loss in a
+    simulation of 2 workers with error feedback (a round every 10 steps landing 5 steps late;
+    validation loss after 750 and 1000 steps: 2.18 and 2.16 in int8, 2.18 and 2.15 in int4,
+    2.18-2.19 and 2.10-2.16 unrounded). int4 was not chosen for its CPU: its rounds come more
+    often and its codec costs more passes, and in 0.45-core quotas a 2-peer swarm's wall time per
+    step rose from about 0.135 s (float16, int8) to 0.153-0.16 s against the single peer's 0.128 s
+    (seed 0: atom_2 took 166 s, single 151 s)."""
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     """The outer step for every swarm (Atom's and synchronous DiLoCo's): plain averaging. At the
