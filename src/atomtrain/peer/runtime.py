@@ -95,6 +95,12 @@ logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 PUBLISH_EVERY_S = 2.0
+"""How often a peer publishes its status: the record that says it is alive (fresh for three
+periods)."""
+REPUBLISH_EVERY_S = 10.0
+"""How often a record that did not change (a certificate, the digests of rounds already
+published) is stored again, well within its time to live (30 s). Storing every record at every
+status tick cost the DHT process and the status thread a few percent of a 0.45-core quota."""
 READ_EVERY_S = 10.0
 """How often a peer reads the swarm's records (who is live, certificates, revocations): each
 read brings every peer's record, so the swarm's reads grow as N^2 over this period."""
@@ -203,6 +209,7 @@ class PeerRuntime:
         self.agreement = AgreementRecord()
         """Digests of this peer's state at its last rounds, published (agreement.py)."""
         self._digested_round = -1
+        self._agreement_at = 0.0  # monotonic time of the last publication of the digests
         self._round_changed = threading.Event()  # the status thread publishes the new digests
         self.last_group_ids: list[str] = []
         self.last_sync = 0.0
@@ -339,7 +346,7 @@ class PeerRuntime:
     def _publish_loop(self) -> None:
         """Publishes from its own thread, so a peer stays visibly alive while its main thread
         waits (for a round, or for the others at the end)."""
-        last_read = 0.0
+        last_read = last_declared = 0.0
         while not self._stop_publishing.is_set():
             self._round_changed.wait(PUBLISH_EVERY_S)  # at once when the round changes
             self._round_changed.clear()
@@ -348,36 +355,45 @@ class PeerRuntime:
             try:
                 self._publish(self._step)
                 self._publish_agreement()
-                read = time.monotonic() - last_read >= READ_EVERY_S
-                self._refresh_membership(read)
-                last_read = time.monotonic() if read else last_read
+                now = time.monotonic()
+                read = now - last_read >= READ_EVERY_S
+                declare = now - last_declared >= REPUBLISH_EVERY_S
+                self._refresh_membership(read, declare)
+                last_read = now if read else last_read
+                last_declared = now if declare else last_declared
             except Exception as e:  # the DHT going away at shutdown
                 log.debug("status not published: %s", e)
 
-    def _refresh_membership(self, read: bool = True) -> None:
-        """Republish this peer's certificate and the newest revocation list; with `read`, hand
-        the newest list to the DHT's gate and note who is live (whom a download asks:
-        state_sources)."""
+    def _refresh_membership(self, read: bool = True, declare: bool = True) -> None:
+        """With `declare`, republish this peer's certificate and the newest revocation list;
+        with `read`, hand the newest list to the DHT's gate and note who is live (whom a
+        download asks: state_sources). A newer revocation list is republished at once."""
         if self.dht is None:
             return
         if read:
             self._known_others = self.live_others()
         if self.membership is None:
             return
-        declare_member(
-            self.dht, self.cfg.swarm, self.membership, self._declared_id(), False, self._revocations
-        )
+        if read:
+            self._roster = read_roster(self.dht, self.cfg.swarm, self.membership.owner)
+            newest = self._roster.revocations
+            if newest is not None and newest != self._revocations:
+                self._revocations = newest
+                declare = True  # the list outlives whoever published it (declare_member)
+                note_revoked(self.dht, newest.members)
+                if self.membership.member in newest.members:
+                    log.warning("the owner revoked this member (%s)", self.membership.member)
+        if declare:
+            declare_member(
+                self.dht,
+                self.cfg.swarm,
+                self.membership,
+                self._declared_id(),
+                False,
+                self._revocations,
+            )
         if self.cfg.attack == "dht_overwrite":  # bench attack only
             overwrite_records(self.dht, self.cfg.swarm, self.membership.certificate().to_text())
-        if not read:
-            return
-        self._roster = read_roster(self.dht, self.cfg.swarm, self.membership.owner)
-        newest = self._roster.revocations
-        if newest is not None and newest != self._revocations:
-            self._revocations = newest
-            note_revoked(self.dht, newest.members)
-            if self.membership.member in newest.members:
-                log.warning("the owner revoked this member (%s)", self.membership.member)
 
     def roster(self, fresh: bool = False) -> Roster | None:
         """The swarm's certified members (None: an open swarm), as the status thread last read
@@ -411,12 +427,16 @@ class PeerRuntime:
         downloaded state against (defended swarms only: hashing costs a pass over the state)."""
         if not self.cfg.defend or self.dht is None:
             return
+        now = time.monotonic()
         if self.round != self._digested_round:
             with self.lock:
                 r, theta, momentum = self.round, self.theta_sync.clone(), self.outer.buf.clone()
             self.agreement.add(RoundDigest.of(r, theta, momentum))
             self._digested_round = r
+        elif now - self._agreement_at < REPUBLISH_EVERY_S:
+            return  # published, unchanged, and far from expiring
         self.agreement.publish(self.dht, self.cfg.swarm, self._subkey)
+        self._agreement_at = now
 
     def _wait_for_peers(self) -> None:
         assert self.dht is not None
@@ -760,7 +780,9 @@ class PeerRuntime:
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
         if self.wire is not None:  # everything since the last round: its share of the link
-            moved = sum(self.wire.totals())
+            # as the status thread last read it (every PUBLISH_EVERY_S): a netlink dump here
+            # would cost the training thread
+            moved = sum(self.wire.last_totals())
             self.last_round_bytes = moved - self._wire_at_last_round
             self._wire_at_last_round = moved
             record["wire_bytes"] = moved

@@ -141,14 +141,23 @@ class WireMeter:
         self.totals()
 
     def totals(self) -> tuple[float, float]:
+        """(sent, received) now: reads the kernel's counters."""
         with self._lock:
             if self.available:
                 try:
                     self._read()
                 except (OSError, struct.error):  # the daemon gone, or a reply cut short
                     self.available = False
-            sent = self._closed.sent + sum(c.sent for c in self._last.values())
-            received = self._closed.received + sum(c.received for c in self._last.values())
+            return self._sum()
+
+    def last_totals(self) -> tuple[float, float]:
+        """(sent, received) as of the last `totals()`, without reading anything."""
+        with self._lock:
+            return self._sum()
+
+    def _sum(self) -> tuple[float, float]:
+        sent = self._closed.sent + sum(c.sent for c in self._last.values())
+        received = self._closed.received + sum(c.received for c in self._last.values())
         return float(sent), float(received)
 
     def _read(self) -> None:
