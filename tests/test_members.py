@@ -27,7 +27,7 @@ from atomtrain.peer.auth import (
 )
 from atomtrain.peer.certs import issue, read_identity, revoke, write_new_identity
 from atomtrain.peer.records import own_subkey
-from atomtrain.peer.state import download_sources
+from atomtrain.peer.state import download_sources, resync_floor
 from atomtrain.peer.status import PeerStatus, publish, read_statuses, status_key
 
 SWARM = "mem"
@@ -194,6 +194,16 @@ def test_a_joiner_ranks_sources_by_rounds_capped_at_the_swarms():
         assert "H0" not in ranked and ranked[-1] == "B"  # itself never; the peer behind last
         assert set(ranked[:3]) == {"H1", "H2", "L"}  # the liar no better than an honest peer
     assert {download_sources([*honest, liar])[0] for _ in range(60)} == {"H0", "H1", "H2", "L"}
+
+
+def test_a_member_claiming_a_huge_round_does_not_make_every_resync_download_look_behind():
+    """A re-synchronizing member accepts a download at the round most of its group claimed
+    (the largest claim, before: one member claiming 10**9 kept its victim out of sync)."""
+    assert resync_floor([7, 10**9]) == 7  # itself and the liar: its own round
+    assert resync_floor([7, 7, 10**9]) == 7
+    assert resync_floor([7, 8, 9, 9]) == 8
+    assert resync_floor(["x", None, 5, float("inf")]) == 5  # malformed claims claim nothing
+    assert resync_floor([]) == 0
 
 
 def test_keygen_admit_and_a_certificate_for_another_identity_from_the_command_line(tmp_path):

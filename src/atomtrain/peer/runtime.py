@@ -79,7 +79,7 @@ from atomtrain.peer.rounds import (
     shift_to_own_share,
     write_contribution,
 )
-from atomtrain.peer.state import StateCheck, download_sources
+from atomtrain.peer.state import StateCheck, download_sources, resync_floor
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.peer.traffic import RateMeter
 from atomtrain.peer.wire import WireMeter, daemon_meter
@@ -843,7 +843,7 @@ class PeerRuntime:
             "downloading the swarm's state (training goes on)",
             self.round,
         )
-        self._resync_round = max(int(g.get("round", 0)) for g in result.peers)
+        self._resync_round = resync_floor([g.get("round", 0) for g in result.peers])
         self._resync = self.averager.download_state(
             self.cfg.state_timeout_s, self.state_sources(), wait=False
         )

@@ -70,6 +70,20 @@ class StateCheck:
         return disagreement(meta["round"], tensors[0], tensors[1], records)
 
 
+def resync_floor(claimed_rounds: list[Any]) -> int:
+    """The oldest round a re-synchronizing member accepts a download at: the lower median of
+    the rounds its group's members claimed (its own included). The largest claim would let one
+    member, claiming a huge round, make every download look behind, so that its victim never
+    re-synchronizes; the lower median moves only when most members claim more."""
+    rounds = []
+    for r in claimed_rounds:
+        try:
+            rounds.append(max(int(r), 0))
+        except (TypeError, ValueError, OverflowError):
+            continue  # malformed: no claim
+    return int(lower_median(rounds))
+
+
 def download_sources(statuses: list[PeerStatus], own_peer_id: str = "") -> list[str]:
     """Whom to download the swarm's state from, best first: the most advanced peers, each one's
     claimed round capped at the round most live peers are at (so one member claiming a huge
