@@ -8,7 +8,9 @@ rounds together (file barriers) and save what each round gave them to WORKDIR/ou
 claims a million times the others' tokens and a thousand times their update size. With `stall`,
 peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
 longer than the round's timeout. With `forge_gather`, peer 2 trains honestly, starts each round
-first (so it leads) and sends its followers another member's metadata rewritten.
+first (so it leads) and sends its followers another member's metadata rewritten. With
+`lying_reducer` (or `lying_reducer_far`: 20 typical updates, past what members accept), peer 2
+sends honestly and moves the average of the span it reduces.
 """
 
 import contextlib
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 from hivemind import DHT
 
+from atomtrain.peer import averaging
 from atomtrain.peer.attack import claimed_tokens, poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
@@ -102,6 +105,8 @@ def main() -> None:
     if index == 0:
         addr_file.write_text(str(dht.get_visible_maddrs()[0]))
     declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
+    if attack == "lying_reducer_far":  # the averager's process is forked from this one
+        averaging.lie_sizes, attack = (lambda group_size: 20.0), "lying_reducer"
     avg = ProbedAverager(
         dht,
         "atk_avg",

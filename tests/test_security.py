@@ -218,6 +218,35 @@ def test_a_directed_push_with_inflated_claims_moves_the_average_by_about_a_third
         assert float(shift.norm()) <= 1.0 * size, (float(shift.norm()) / size, r)
 
 
+def test_a_lying_reducer_moves_its_span_by_a_bounded_amount_or_is_caught(tmp_path: Path):
+    """Peer 2 sends its update honestly and moves the average of the span it reduces in one
+    direction. Within what members accept (6 typical updates) the lie lands, unseen: its size is
+    bounded by the check, no longer by the 20x drop bound (about 40 typical updates). Past it (20
+    typical updates, accepted before) the honest peers reject the liar by name and discard the
+    round, and then average without it."""
+    from .peer_attack_harness import vectors
+
+    typical = float(vectors(0)[: len(vectors(0)) // 3].norm())  # a member's part of one span
+    outs = run_round(tmp_path, "lying_reducer", defend=True)
+    landed = [r for out in outs.values() for r in out["rounds"] if not r["failed"]]
+    assert any(r["group"] == 3 for r in landed), "the liar never took part in a round"
+    clean = (vectors(0) + vectors(1) + vectors(2)) / 3
+    for r in landed:
+        if r["group"] == 3:
+            shift = float((r["delta"] - clean).norm()) / typical
+            assert 4.0 <= shift <= 8.0, shift  # the lie landed, and no farther than the check
+    assert not any(out["rejected"] for out in outs.values())  # unseen
+
+    outs = run_round(tmp_path, "lying_reducer_far", defend=True)
+    for out in outs.values():
+        assert [name for name, _ in out["rejected"]] == ["h2"], out["rejected"]
+        assert "reducer returned" in out["rejected"][0][1]
+        for r in out["rounds"]:
+            assert r["failed"] or r["group"] == 2, out["rounds"]  # no round with its lie landed
+        last = out["rounds"][-1]
+        assert not last["failed"] and torch.allclose(last["delta"], honest_mean(), atol=1e-6)
+
+
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):
     """Peer 2 joins each round's group it gets into and then goes silent (its averager frozen).
     The round it stalls is lost (its span is never averaged); both honest peers name it from the

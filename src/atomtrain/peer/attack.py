@@ -31,6 +31,7 @@ ATTACKS = (
     "dht_overwrite",
     "stall",
     "forge_gather",
+    "lying_reducer",
 )
 """`push`: the update pushed far in one fixed direction, inside the radius a reducer drops
 beyond; `inflate`: the same push, claiming a million times the tokens trained on; `sybil`: a
@@ -40,7 +41,22 @@ every other peer's status and certificate in the DHT; `stall`: a member that joi
 group and then goes silent (its averager frozen past the round's timeout); `forge_gather`: a
 member that trains honestly and, whenever it leads a group, sends its followers another member's
 metadata rewritten (a thousand times the rms and weight it claimed), under that member's
-signature."""
+signature; `lying_reducer`: a member that trains and sends honestly and, reducing its span of
+each round, moves the average it returns in one fixed direction by about as much as members
+accept (lie_sizes), the same average to every member (no member's copy differs from another's)."""
+LIE_SIZES = 6.0
+"""How far a lying reducer moves its span's average in a group of three or more, in typical
+updates: under what members accept there (robust.Defence.reduced times a typical update and their
+own part: about 8 for a member whose update is typical), as a reducer that knows the check would."""
+LIE_SIZES_PAIR = 30.0
+"""...and in a group of two, where members accept up to robust.Defence.reject times as much."""
+
+
+def lie_sizes(group_size: int) -> float:
+    """`lying_reducer`: how far it moves its span's average in a group of this size."""
+    return LIE_SIZES if group_size >= 3 else LIE_SIZES_PAIR
+
+
 ALIE_Z = 1.0
 """How many honest standard deviations "a little is enough" (Baruch et al., 2019) moves each
 coordinate: z = 1, as in its evaluations, where the rule max over (n - s)/n gives z <= 0 for a

@@ -35,6 +35,7 @@ discards the round for itself only.
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import queue
 import random
@@ -67,14 +68,22 @@ from hivemind.utils.asyncio import as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
-from atomtrain.peer.attack import forge_gathered
+from atomtrain.peer.attack import forge_gathered, lie_sizes
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
 from atomtrain.peer.download import download_from
 from atomtrain.peer.exact import ExactAverageRunner
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import Piece
-from atomtrain.peer.robust import DELTA, PROBE, Defence, RobustRunner, equal_weights
+from atomtrain.peer.robust import (
+    DELTA,
+    MIN_WEIGHT,
+    NO_DEFENCE,
+    PROBE,
+    Defence,
+    RobustRunner,
+    equal_weights,
+)
 from atomtrain.peer.sync import in_sync_flags
 from atomtrain.peer.traffic import (
     RECEIVED,
@@ -644,8 +653,10 @@ class GuardedAverager(DecentralizedAverager):
         runner_type: type[ExactAverageRunner] = ExactAverageRunner
         extra: dict[str, Any] = {}
         if self._defence is not None:
-            runner_type, extra = RobustRunner, self._robust_arguments(group_info)
+            runner_type, extra = RobustRunner, self._robust_arguments(group_info, self._defence)
             extra["on_stall"] = self._stall
+        elif self._attack == "lying_reducer":  # bench attack only: it lies in undefended swarms too
+            runner_type, extra = RobustRunner, self._robust_arguments(group_info, NO_DEFENCE)
         runner = runner_type(
             **extra,
             traffic=self._traffic,
@@ -663,9 +674,10 @@ class GuardedAverager(DecentralizedAverager):
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def _robust_arguments(self, group_info: Any) -> dict[str, Any]:
-        """The robust runner's view of the group, from the metadata its members gathered."""
-        assert self._defence is not None
+    def _robust_arguments(self, group_info: Any, defence: Defence) -> dict[str, Any]:
+        """The robust runner's view of the group, from the metadata its members gathered
+        (NO_DEFENCE: hivemind's plain weighted mean, for a lying reducer in an undefended
+        swarm)."""
         users: list[dict[str, Any]] = []
         for blob in group_info.gathered:
             try:
@@ -674,16 +686,24 @@ class GuardedAverager(DecentralizedAverager):
             except Exception:  # malformed metadata: the probe check discards the round
                 users.append({})
         ids = group_info.peer_ids
-        weights = equal_weights([_number(u.get("weight")) for u in users])
+        claimed = [_number(u.get("weight")) for u in users]
+        weights = (
+            [w if math.isfinite(w) and w > 0 else MIN_WEIGHT for w in claimed]
+            if defence is NO_DEFENCE
+            else equal_weights(claimed)
+        )
         return {
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),
             "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
             "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
-            "in_sync": dict(zip(ids, membership(users), strict=True)),
-            "defence": self._defence,
+            "in_sync": (
+                None if defence is NO_DEFENCE else dict(zip(ids, membership(users), strict=True))
+            ),
+            "defence": defence,
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
+            "lie": lie_sizes(len(ids)) if self._attack == "lying_reducer" else 0.0,  # bench only
         }
 
 

@@ -22,9 +22,13 @@ banned: the gates refuse it from then on, and its data in any later group is dro
 elements (see averaging.py) are averaged as they are, with the same weights, so every member can
 still tell a fully averaged round from a partial one.
 
-A reducer can lie too: every member checks the averaged parts it receives (finite, and within the
-`reject` bounds of its own values). A reducer that fails the check is rejected and banned like a
-sender, and the round it spoiled is discarded.
+A reducer can lie too: every member checks the averaged parts it receives (finite, and within
+`reduced` times a typical update and its own part of its own values; `reject` times in a group
+of two). A reducer that fails the check is rejected and banned like a sender, and the round it
+spoiled is discarded. One that lies within the bound is not caught: it can move its span's
+average by a few typical updates each round (up to about 40 in a group of two); `lying_reducer`
+in bench attack measures what that costs. Only redundant reduction or cross-checks of the
+reducers' inputs (BTARD) would bound it further.
 """
 
 from __future__ import annotations
@@ -55,9 +59,25 @@ class Defence:
     on independent updates of equal size: closer when they agree)."""
     reject: float = 20.0
     """...and beyond this many, dropped, and their sender banned."""
+    reduced: float = 4.0
+    """In a group of three or more, a reducer's average of an update span farther from a
+    member's own part than this many times (typical update + that part) is a lie: the reducer is
+    rejected and the round discarded. An honest average lies within about one such size: it is
+    a mean of parts clipped to the lower median of their sizes around their coordinate-wise
+    median, and the typical update is the lower median of the sizes members report, so both
+    follow the majority. (The bound was `reject`, 20: a reducer could move its span by up to
+    about 40 typical updates, unseen, every round.) In a group of two the bound stays `reject`:
+    the reducer centers on its own part, so a member whose update is much smaller than the
+    reducer's (one that has just joined or re-synchronized) honestly receives an average about
+    the reducer's size away, and no majority says which of the two is right."""
     min_scale: float = 0.0
     """Smallest typical update (RMS), so a group whose updates are near zero (a round right after
     a sync) does not take an honest larger update for an outlier."""
+
+
+NO_DEFENCE = Defence(clip=math.inf, reject=math.inf, reduced=math.inf)
+"""Nothing clipped, dropped or refused: a plain weighted mean (bench attack's lying reducer in
+an undefended swarm)."""
 
 
 def equal_weights(weights: Sequence[float]) -> list[float]:
@@ -85,6 +105,12 @@ def bound(scale: float, numel: int, factor: float) -> float:
     return factor * scale * math.sqrt(max(numel, 1)) + 1e-12
 
 
+def lie_direction(shape: torch.Size, part_index: int) -> torch.Tensor:
+    """A unit vector, the same for a part in every round: where a lying reducer pushes."""
+    u = torch.randn(shape, generator=torch.Generator().manual_seed(1000 + part_index))
+    return u / u.norm()
+
+
 def median_center(parts: list[torch.Tensor]) -> torch.Tensor:
     """Coordinate-wise median (the mean of the two middle values for an even count)."""
     n = len(parts)
@@ -105,8 +131,10 @@ class RobustReducer(TensorPartReducer):
         banned: Sequence[bool],
         on_reject: Callable[[int, str], None],
         in_sync: Sequence[bool] | None = None,
+        lie: float = 0.0,
     ) -> None:
         self.part_kinds = list(part_kinds)
+        self.lie = lie  # bench attack only: lying_reducer (attack.py)
         self.weights = list(weights)
         self.own_sender = own_sender
         self.defence = defence
@@ -191,7 +219,11 @@ class RobustReducer(TensorPartReducer):
             r = x - center
             norm = float(r.norm())
             kept.append((i, center + r * (tau / norm) if norm > tau else x))
-        return self._mean(kept, shape)
+        average = self._mean(kept, shape)
+        if self.lie and kind == DELTA:  # bench attack only
+            typical = lower_median([float(x.norm()) for x in candidates.values()])
+            average += lie_direction(shape, self.current_part_index) * (self.lie * typical)
+        return average
 
     def _radius(self, parts: dict[int, torch.Tensor], numel: int) -> tuple[float, torch.Tensor]:
         """(clipping radius, center) measured from the parts."""
@@ -244,11 +276,14 @@ class RobustRunner(ExactAverageRunner):
         in_sync: dict[PeerID, bool] | None,
         defence: Defence,
         on_reject: Callable[[PeerID, str], None],
+        lie: float = 0.0,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self.defence = defence
         self._on_reject = on_reject
+        majority = len(self.ordered_peer_ids) >= 3
+        self._reduced_bound = defence.reduced if majority else defence.reject
         own_index = self.ordered_peer_ids.index(self.peer_id)
         own_parts = self.tensor_part_container._input_parts_by_peer[own_index]
         part_kinds = [kinds[info.key] for _, info in own_parts]
@@ -266,6 +301,7 @@ class RobustRunner(ExactAverageRunner):
             [p in banned for p in senders],
             lambda i, why: on_reject(senders[i], why),
             [in_sync[p] for p in senders] if in_sync is not None else None,
+            lie,
         )
         self._kinds_by_peer = [
             [kinds[info.key] for _, info in parts]
@@ -290,7 +326,7 @@ class RobustRunner(ExactAverageRunner):
         typical = bound(self.typical.rms, delta.numel(), 1.0) + float(own.norm())
         if not bool(torch.isfinite(delta).all()):
             why = "non-finite averages"
-        elif kind != PROBE and norm > typical * self.defence.reject:
+        elif kind != PROBE and norm > typical * self._reduced_bound:
             why = f"{kind} averages {norm / typical:.3g}x typical"
         else:
             return
