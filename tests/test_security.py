@@ -484,6 +484,40 @@ def test_the_reducer_drops_bad_parts_and_clips_outliers():
     assert torch.allclose(avg, (own + honest) / 2) and [i for i, _ in rejected] == [2]
 
 
+def test_no_honest_reducer_is_taken_for_a_liar_when_members_have_just_joined():
+    """Honest updates share a descent direction (weakly to strongly); members that have just
+    joined or re-synchronized bring updates 3-10x smaller than the others'. Whichever member
+    reduces, every other member finds what it returns within 1.5 of the 4 (typical update + own
+    part) that the check allows: honest averages sit well inside the bound."""
+    from atomtrain.peer.robust import Defence, Typical, returned_lie
+
+    assert Defence().reduced == 4.0
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(400, generator=g)
+    groups = 0
+    for shared in (0.3, 1.0, 3.0):
+        for small in (0.3, 0.1):
+            for sizes in (
+                [small, small, 1.0, 1.0],
+                [small, small, 1.0],
+                [small, 1.0, 1.0],
+                [small, 1.0, 1.0, 1.0],
+                [small, small, small, 1.0],
+            ):
+                parts = [s * (shared * base + torch.randn(400, generator=g)) for s in sizes]
+                typical = Typical.of([float(p.pow(2).mean().sqrt()) for p in parts], 0.0)
+                for reducer in range(len(parts)):
+                    order = [reducer, *[i for i in range(len(parts)) if i != reducer]]
+                    group = {k: parts[i] for k, i in enumerate(order)}
+                    average, rejected = reduce_one_part(group, shape=(400,))
+                    assert not rejected
+                    for member in order[1:]:
+                        why = returned_lie("delta", parts[member], average, typical, 1.5)
+                        assert why is None, (shared, sizes, reducer, member, why)
+                    groups += 1
+    assert groups == 3 * 2 * 18
+
+
 def test_updates_of_members_out_of_sync_are_left_out():
     g = torch.Generator().manual_seed(1)
     own, honest = torch.randn(100, generator=g), torch.randn(100, generator=g)

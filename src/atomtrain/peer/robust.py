@@ -60,12 +60,12 @@ class Defence:
     reject: float = 20.0
     """...and beyond this many, dropped, and their sender banned."""
     reduced: float = 4.0
-    """In a group of three or more, a reducer's average of an update span farther from a
+    """In a group of three or more in sync, a reducer's average of an update span farther from a
     member's own part than this many times (typical update + that part) is a lie: the reducer is
     rejected and the round discarded. An honest average lies within about one such size: it is
     a mean of parts clipped to the lower median of their sizes around their coordinate-wise
-    median, and the typical update is the lower median of the sizes members report, so both
-    follow the majority. (The bound was `reject`, 20: a reducer could move its span by up to
+    median, and the typical update is the upper median of the sizes members report (Typical), so
+    both follow the majority. (The bound was `reject`, 20: a reducer could move its span by up to
     about 40 typical updates, unseen, every round.) In a group of two the bound stays `reject`:
     the reducer centers on its own part, so a member whose update is much smaller than the
     reducer's (one that has just joined or re-synchronized) honestly receives an average about
@@ -90,19 +90,41 @@ def equal_weights(weights: Sequence[float]) -> list[float]:
 @dataclass(frozen=True)
 class Typical:
     """How large (RMS per element) an honest contribution is expected to be this round, from
-    what members report: the lower median, which no single member of three or more can move
-    beyond the others' values. Only the check of what reducers send back uses it (a member sees
-    no one else's update); reducers measure the parts they hold."""
+    what members report: in a group of three or more the upper median (the middle value, or the
+    larger of the two middle ones), which no single member can move beyond the others' values;
+    the upper one, so that where half a group has just joined or re-synchronized (updates of a
+    few steps) the other half's larger updates still count as typical. In a group of two, the
+    smaller report (the larger may be a liar's). Only the check of what
+    reducers send back uses it (a member sees no one else's update); reducers measure the parts
+    they hold."""
 
     rms: float
 
     @classmethod
     def of(cls, reported_rms: Sequence[float], min_scale: float) -> Typical:
-        return cls(max(lower_median(reported_rms), min_scale))
+        ok = sorted(v for v in reported_rms if math.isfinite(v) and v >= 0)
+        middle = len(ok) // 2 if len(ok) >= 3 else 0
+        return cls(max(ok[middle] if ok else 0.0, min_scale))
 
 
 def bound(scale: float, numel: int, factor: float) -> float:
     return factor * scale * math.sqrt(max(numel, 1)) + 1e-12
+
+
+def returned_lie(
+    kind: str, own: torch.Tensor, average: torch.Tensor, typical: Typical, factor: float
+) -> str | None:
+    """Why the average a reducer returned for a member's part cannot be honest (None: it can):
+    non-finite, or (an update span) farther from the member's own part than `factor` times a
+    typical update and that part together, about as far as an honest average can be."""
+    delta = average.float() - own.float()
+    if not bool(torch.isfinite(delta).all()):
+        return "non-finite averages"
+    size = bound(typical.rms, delta.numel(), 1.0) + float(own.float().norm())
+    norm = float(delta.norm())
+    if kind != PROBE and norm > size * factor:
+        return f"{kind} averages {norm / size:.3g}x typical"
+    return None
 
 
 def lie_direction(shape: torch.Size, part_index: int) -> torch.Tensor:
@@ -282,15 +304,18 @@ class RobustRunner(ExactAverageRunner):
         super().__init__(**kwargs)
         self.defence = defence
         self._on_reject = on_reject
-        majority = len(self.ordered_peer_ids) >= 3
-        self._reduced_bound = defence.reduced if majority else defence.reject
         own_index = self.ordered_peer_ids.index(self.peer_id)
         own_parts = self.tensor_part_container._input_parts_by_peer[own_index]
         part_kinds = [kinds[info.key] for _, info in own_parts]
         senders = self.sender_peer_ids
+        # the members whose updates an average is made of (those in sync): from three on, a
+        # reducer clips around their median, and the tight bound holds; with fewer, it centers
+        # on its own part (RobustReducer._center), and only the loose one does
+        counted = [p for p in senders if in_sync is None or in_sync.get(p, True)]
         self.typical = Typical.of(
-            [reported_rms.get(p, math.nan) for p in senders], defence.min_scale
+            [reported_rms.get(p, math.nan) for p in counted], defence.min_scale
         )
+        self._reduced_bound = defence.reduced if len(counted) >= 3 else defence.reject
         self._own_sender = senders.index(self.peer_id)
         self.tensor_part_reducer = RobustReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
@@ -319,16 +344,9 @@ class RobustRunner(ExactAverageRunner):
     def _check_reduced(self, peer_index: int, part_index: int, average: torch.Tensor) -> None:
         """`average`: what the reducer of that span sent back for our part."""
         kind = self._kinds_by_peer[peer_index][part_index]
-        own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0].float()
-        delta = average.float() - own
-        norm = float(delta.norm())
-        # an average of updates is no farther from ours than a typical one and ours together
-        typical = bound(self.typical.rms, delta.numel(), 1.0) + float(own.norm())
-        if not bool(torch.isfinite(delta).all()):
-            why = "non-finite averages"
-        elif kind != PROBE and norm > typical * self._reduced_bound:
-            why = f"{kind} averages {norm / typical:.3g}x typical"
-        else:
+        own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
+        why = returned_lie(kind, own, average, self.typical, self._reduced_bound)
+        if why is None:
             return
         culprit = self.ordered_peer_ids[peer_index]
         self._on_reject(culprit, f"reducer returned {why}")
