@@ -106,7 +106,7 @@ def main() -> None:
         addr_file.write_text(str(dht.get_visible_maddrs()[0]))
     declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
     if attack == "lying_reducer_far":  # the averager's process is forked from this one
-        averaging.lie_sizes, attack = (lambda group_size: 20.0), "lying_reducer"
+        averaging.lie_sizes, attack = (lambda tight: 20.0), "lying_reducer"
     avg = ProbedAverager(
         dht,
         "atk_avg",

@@ -222,8 +222,8 @@ def test_a_lying_reducer_moves_its_span_by_a_bounded_amount_or_is_caught(tmp_pat
     """Peer 2 sends its update honestly and moves the average of the span it reduces in one
     direction. Within what members accept (6 typical updates) the lie lands, unseen: its size is
     bounded by the check, no longer by the 20x drop bound (about 40 typical updates). Past it (20
-    typical updates, accepted before) the honest peers reject the liar by name and discard the
-    round, and then average without it."""
+    typical updates, accepted before) the honest peers discard the round, name the liar and
+    leave it out of their next rounds, which they average without it."""
     from .peer_attack_harness import vectors
 
     typical = float(vectors(0)[: len(vectors(0)) // 3].norm())  # a member's part of one span
@@ -235,16 +235,45 @@ def test_a_lying_reducer_moves_its_span_by_a_bounded_amount_or_is_caught(tmp_pat
         if r["group"] == 3:
             shift = float((r["delta"] - clean).norm()) / typical
             assert 4.0 <= shift <= 8.0, shift  # the lie landed, and no farther than the check
-    assert not any(out["rejected"] for out in outs.values())  # unseen
+    assert not any(out["rejected"] or out["stalled"] for out in outs.values())  # unseen
 
     outs = run_round(tmp_path, "lying_reducer_far", defend=True)
     for out in outs.values():
-        assert [name for name, _ in out["rejected"]] == ["h2"], out["rejected"]
-        assert "reducer returned" in out["rejected"][0][1]
+        assert not out["rejected"], out["rejected"]  # not banned: left out for a while
+        assert [name for name, _ in out["stalled"]] == ["h2"], out["stalled"]
+        assert "returned delta averages" in out["stalled"][0][1]
         for r in out["rounds"]:
             assert r["failed"] or r["group"] == 2, out["rounds"]  # no round with its lie landed
         last = out["rounds"][-1]
         assert not last["failed"] and torch.allclose(last["delta"], honest_mean(), atol=1e-6)
+
+
+def test_a_reducers_averages_are_checked_as_tightly_as_its_centering_allows():
+    """Three or more members in sync: 4 (typical + own); fewer with the reducer among them (it
+    centers on its own part): 20; fewer without it (a reducer out of sync, which may be the liar):
+    4 again, with the larger report as typical. At the 4x bound, for a member whose update is of
+    typical size, an average 7 typical updates away passes and 9 does not."""
+    from atomtrain.peer.robust import Defence, reducer_bounds, returned_lie
+
+    d = Defence()
+    assert reducer_bounds([1.0, 2.0, 3.0, 9.0], True, d) == (reducer_bounds([3.0], False, d)[0], 4)
+    assert reducer_bounds([1.0, 2.0, 3.0], True, d)[0].rms == 2.0
+    assert reducer_bounds([1.0, 5.0], True, d) == (reducer_bounds([1.0], True, d)[0], 20.0)
+    assert reducer_bounds([1.0, 5.0], False, d)[0].rms == 5.0
+    assert reducer_bounds([1.0, 5.0], False, d)[1] == 4.0
+    assert reducer_bounds([], False, Defence(min_scale=0.5))[0].rms == 0.5
+    n = 400
+    own = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    own *= 0.1 / float(own.pow(2).mean().sqrt())  # rms 0.1: a typical update
+    typical, factor = reducer_bounds([0.1, 0.1, 0.1], True, d)
+    away = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    away *= float(own.norm()) / float(away.norm())  # one typical update's size
+    assert returned_lie("delta", own, own + 7 * away, typical, factor) is None
+    assert "delta averages" in str(returned_lie("delta", own, own + 9 * away, typical, factor))
+    assert returned_lie("probe", own, own + 9 * away, typical, factor) is None  # the probe check
+    bad = own.clone()
+    bad[0] = float("nan")
+    assert returned_lie("probe", own, bad, typical, factor) == "non-finite averages"
 
 
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):

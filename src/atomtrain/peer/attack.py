@@ -45,16 +45,18 @@ signature; `lying_reducer`: a member that trains and sends honestly and, reducin
 each round, moves the average it returns in one fixed direction by about as much as members
 accept (lie_sizes), the same average to every member (no member's copy differs from another's)."""
 LIE_SIZES = 6.0
-"""How far a lying reducer moves its span's average in a group of three or more, in typical
-updates: under what members accept there (robust.Defence.reduced times a typical update and their
-own part: about 8 for a member whose update is typical), as a reducer that knows the check would."""
-LIE_SIZES_PAIR = 30.0
-"""...and in a group of two, where members accept up to robust.Defence.reject times as much."""
+"""How far a lying reducer moves its span's average, in typical updates, where members check it
+against the tight bound: under what they accept (robust.Defence.reduced times a typical update and
+their own part: about 8 for a member whose update is typical), as a reducer that knows the check
+would."""
+LIE_SIZES_LOOSE = 30.0
+"""...and where they check it against the loose one (fewer than three members in sync, the
+reducer among them: robust.reducer_bounds), up to robust.Defence.reject times as much."""
 
 
-def lie_sizes(group_size: int) -> float:
-    """`lying_reducer`: how far it moves its span's average in a group of this size."""
-    return LIE_SIZES if group_size >= 3 else LIE_SIZES_PAIR
+def lie_sizes(tight: bool) -> float:
+    """`lying_reducer`: how far it moves its span's average under a tight or a loose check."""
+    return LIE_SIZES if tight else LIE_SIZES_LOOSE
 
 
 ALIE_Z = 1.0

@@ -686,10 +686,14 @@ class GuardedAverager(DecentralizedAverager):
             except Exception:  # malformed metadata: the probe check discards the round
                 users.append({})
         ids = group_info.peer_ids
+        flags = membership(users)
+        # how its averages will be checked (robust.reducer_bounds): bench attack's liar lies as
+        # far as that lets it
+        tight = sum(flags) >= 3 or not flags[ids.index(self.peer_id)]
         claimed = [_number(u.get("weight")) for u in users]
         weights = (
             [w if math.isfinite(w) and w > 0 else MIN_WEIGHT for w in claimed]
-            if defence is NO_DEFENCE
+            if defence == NO_DEFENCE
             else equal_weights(claimed)
         )
         return {
@@ -697,13 +701,11 @@ class GuardedAverager(DecentralizedAverager):
             "weights": dict(zip(ids, weights, strict=True)),
             "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
             "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
-            "in_sync": (
-                None if defence is NO_DEFENCE else dict(zip(ids, membership(users), strict=True))
-            ),
+            "in_sync": None if defence == NO_DEFENCE else dict(zip(ids, flags, strict=True)),
             "defence": defence,
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
-            "lie": lie_sizes(len(ids)) if self._attack == "lying_reducer" else 0.0,  # bench only
+            "lie": lie_sizes(tight) if self._attack == "lying_reducer" else 0.0,  # bench only
         }
 
 

@@ -22,13 +22,17 @@ banned: the gates refuse it from then on, and its data in any later group is dro
 elements (see averaging.py) are averaged as they are, with the same weights, so every member can
 still tell a fully averaged round from a partial one.
 
-A reducer can lie too: every member checks the averaged parts it receives (finite, and within
-`reduced` times a typical update and its own part of its own values; `reject` times in a group
-of two). A reducer that fails the check is rejected and banned like a sender, and the round it
-spoiled is discarded. One that lies within the bound is not caught: it can move its span's
-average by a few typical updates each round (up to about 40 in a group of two); `lying_reducer`
-in bench attack measures what that costs. Only redundant reduction or cross-checks of the
-reducers' inputs (BTARD) would bound it further.
+A reducer can lie too: every member checks the averaged parts it receives (reducer_bounds):
+finite, and within `reduced` times a typical update and its own part of its own values where the
+reducer clips around a median or a mean (three or more members in sync, or a reducer out of
+sync), `reject` times where it centers on its own part (fewer than three in sync). Beyond `reject`
+the reducer is rejected and banned like a sender; beyond the tight bound only, it is left out of
+the next rounds for a while, as a member that stalls (an honest reducer left with fewer than
+three parts centers on its own part and may land there). Either way the round is discarded. One
+that lies within the bound is not caught: it can move its span's average by a few typical
+updates each round (up to about 40 where fewer than three are in sync); `lying_reducer` in bench
+attack measures what that costs. Only redundant reduction or cross-checks of the reducers'
+inputs (BTARD) would bound it further.
 """
 
 from __future__ import annotations
@@ -60,24 +64,21 @@ class Defence:
     reject: float = 20.0
     """...and beyond this many, dropped, and their sender banned."""
     reduced: float = 4.0
-    """In a group of three or more in sync, a reducer's average of an update span farther from a
-    member's own part than this many times (typical update + that part) is a lie: the reducer is
-    rejected and the round discarded. An honest average lies within about one such size: it is
-    a mean of parts clipped to the lower median of their sizes around their coordinate-wise
-    median, and the typical update is the upper median of the sizes members report (Typical), so
-    both follow the majority. (The bound was `reject`, 20: a reducer could move its span by up to
-    about 40 typical updates, unseen, every round.) In a group of two the bound stays `reject`:
-    the reducer centers on its own part, so a member whose update is much smaller than the
-    reducer's (one that has just joined or re-synchronized) honestly receives an average about
-    the reducer's size away, and no majority says which of the two is right."""
+    """A reducer's average of an update span farther from a member's own part than this many
+    times (typical update + that part) is doubted: the round is discarded and the reducer left
+    out for a while (reducer_bounds says where it applies). An honest average that clips around a
+    median or a mean lies within about one such size (measured: at most 0.97 with members whose
+    updates are 3-10x smaller than the others'; the typical update is the upper median of what
+    members report). The bound was `reject`, 20: a reducer could move its span by up to about 40
+    typical updates, unseen, every round."""
     min_scale: float = 0.0
     """Smallest typical update (RMS), so a group whose updates are near zero (a round right after
     a sync) does not take an honest larger update for an outlier."""
 
 
 NO_DEFENCE = Defence(clip=math.inf, reject=math.inf, reduced=math.inf)
-"""Nothing clipped, dropped or refused: a plain weighted mean (bench attack's lying reducer in
-an undefended swarm)."""
+"""Nothing clipped or refused for its size: the weighted mean of the finite parts (bench attack's
+lying reducer in an undefended swarm)."""
 
 
 def equal_weights(weights: Sequence[float]) -> list[float]:
@@ -109,6 +110,26 @@ class Typical:
 
 def bound(scale: float, numel: int, factor: float) -> float:
     return factor * scale * math.sqrt(max(numel, 1)) + 1e-12
+
+
+def reducer_bounds(
+    claims: Sequence[float], reducer_counted: bool, defence: Defence
+) -> tuple[Typical, float]:
+    """(typical update, factor) a reducer's averages are checked against, from the sizes the
+    members in sync reported (`claims`) and whether the reducer is one of them:
+    - three or more in sync: each reducer clips their parts around their median; the typical
+      update is the upper median of their reports, the factor `reduced`;
+    - fewer, the reducer among them: it centers on its own part, so an honest average may sit
+      about its size from a member's; the smaller report, the factor `reject`;
+    - fewer, the reducer not among them (out of sync: its own update left out): it clips the
+      others' parts around their mean; the larger report (no liar's claim widens the bound of a
+      span a liar reduces), the factor `reduced`."""
+    ok = sorted(c for c in claims if math.isfinite(c) and c >= 0)
+    if len(ok) >= 3:
+        return Typical.of(ok, defence.min_scale), defence.reduced
+    if reducer_counted:
+        return Typical.of(ok, defence.min_scale), defence.reject
+    return Typical(max(ok[-1] if ok else 0.0, defence.min_scale)), defence.reduced
 
 
 def returned_lie(
@@ -308,14 +329,12 @@ class RobustRunner(ExactAverageRunner):
         own_parts = self.tensor_part_container._input_parts_by_peer[own_index]
         part_kinds = [kinds[info.key] for _, info in own_parts]
         senders = self.sender_peer_ids
-        # the members whose updates an average is made of (those in sync): from three on, a
-        # reducer clips around their median, and the tight bound holds; with fewer, it centers
-        # on its own part (RobustReducer._center), and only the loose one does
+        # what each reducer's averages are checked against (reducer_bounds)
         counted = [p for p in senders if in_sync is None or in_sync.get(p, True)]
-        self.typical = Typical.of(
-            [reported_rms.get(p, math.nan) for p in counted], defence.min_scale
-        )
-        self._reduced_bound = defence.reduced if len(counted) >= 3 else defence.reject
+        claims = [reported_rms.get(p, math.nan) for p in counted]
+        self._bounds = [
+            reducer_bounds(claims, p in counted, defence) for p in self.ordered_peer_ids
+        ]
         self._own_sender = senders.index(self.peer_id)
         self.tensor_part_reducer = RobustReducer(
             tuple(part.shape for part in self.parts_for_local_averaging),
@@ -342,14 +361,23 @@ class RobustRunner(ExactAverageRunner):
         self.tensor_part_container.register_processed_part = checked
 
     def _check_reduced(self, peer_index: int, part_index: int, average: torch.Tensor) -> None:
-        """`average`: what the reducer of that span sent back for our part."""
+        """`average`: what the reducer of that span sent back for our part. Beyond `reject`
+        (or non-finite), the reducer is rejected and banned; beyond its tight bound only, it is
+        left out of the next rounds for a while (as a member that stalls), not banned: an
+        honest reducer left with fewer than three parts (others dropped, or missing) centers on
+        its own part and may land there. Either way the round is discarded."""
         kind = self._kinds_by_peer[peer_index][part_index]
         own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
-        why = returned_lie(kind, own, average, self.typical, self._reduced_bound)
-        if why is None:
-            return
+        typical, tight = self._bounds[peer_index]
         culprit = self.ordered_peer_ids[peer_index]
-        self._on_reject(culprit, f"reducer returned {why}")
+        why = returned_lie(kind, own, average, typical, self.defence.reject)
+        if why is not None:
+            self._on_reject(culprit, f"reducer returned {why}")
+        else:
+            why = returned_lie(kind, own, average, typical, tight)
+            if why is None:
+                return
+            self._stalled(culprit, f"returned {why} (its round discarded)")
         error = AllreduceException(f"{culprit} returned {why}")
         self.finalize(exception=error)  # the round is lost: end it now, not at its timeout
         raise error
