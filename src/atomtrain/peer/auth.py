@@ -337,19 +337,23 @@ def declare_member(
     peer_id: PeerID,
     wait: bool = False,
     revocations: Revocations | None = None,
-) -> None:
+) -> list[Any]:
     """Publish this peer's certificate (refreshed with its status), and a copy of the newest
     revocation list it knows, so the list outlives whoever published it. `wait` at start, so the
-    gates know this peer before it asks anything of them."""
+    gates know this peer before it asks anything of them. Futures of the stores not waited for
+    (each: whether it was stored)."""
     membership = as_membership(credential, peer_id.to_base58())
     if membership is None:
-        return
+        return []
     subkey = own_subkey(membership.private_key)
     expires = get_dht_time() + PROOF_TTL_S
     cert = membership.certificate(peer_id.to_base58())
-    dht.store(members_key(swarm), cert.to_text(), expires, subkey, return_future=not wait)
+    stored = dht.store(members_key(swarm), cert.to_text(), expires, subkey, return_future=not wait)
+    futures = [] if wait else [stored]
     if revocations is not None:
-        dht.store(revoked_key(swarm), revocations.to_text(), expires, subkey, return_future=True)
+        listed = revocations.to_text()
+        futures.append(dht.store(revoked_key(swarm), listed, expires, subkey, return_future=True))
+    return futures
 
 
 # --- the averaging and state-download gates -------------------------------------------------------

@@ -209,7 +209,8 @@ class PeerRuntime:
         self.agreement = AgreementRecord()
         """Digests of this peer's state at its last rounds, published (agreement.py)."""
         self._digested_round = -1
-        self._agreement_at = 0.0  # monotonic time of the last publication of the digests
+        self._agreement_at = -math.inf  # monotonic time the digests were last stored
+        self._declared_at = -math.inf  # ...and the certificate
         self._round_changed = threading.Event()  # the status thread publishes the new digests
         self.last_group_ids: list[str] = []
         self.last_sync = 0.0
@@ -346,7 +347,7 @@ class PeerRuntime:
     def _publish_loop(self) -> None:
         """Publishes from its own thread, so a peer stays visibly alive while its main thread
         waits (for a round, or for the others at the end)."""
-        last_read = last_declared = 0.0
+        last_read = -math.inf
         while not self._stop_publishing.is_set():
             self._round_changed.wait(PUBLISH_EVERY_S)  # at once when the round changes
             self._round_changed.clear()
@@ -357,10 +358,8 @@ class PeerRuntime:
                 self._publish_agreement()
                 now = time.monotonic()
                 read = now - last_read >= READ_EVERY_S
-                declare = now - last_declared >= REPUBLISH_EVERY_S
-                self._refresh_membership(read, declare)
+                self._refresh_membership(read, now - self._declared_at >= REPUBLISH_EVERY_S)
                 last_read = now if read else last_read
-                last_declared = now if declare else last_declared
             except Exception as e:  # the DHT going away at shutdown
                 log.debug("status not published: %s", e)
 
@@ -377,23 +376,41 @@ class PeerRuntime:
         if read:
             self._roster = read_roster(self.dht, self.cfg.swarm, self.membership.owner)
             newest = self._roster.revocations
-            if newest is not None and newest != self._revocations:
+            known = self._revocations
+            if newest is not None and (known is None or newest.issued > known.issued):
                 self._revocations = newest
                 declare = True  # the list outlives whoever published it (declare_member)
                 note_revoked(self.dht, newest.members)
                 if self.membership.member in newest.members:
                     log.warning("the owner revoked this member (%s)", self.membership.member)
         if declare:
-            declare_member(
-                self.dht,
-                self.cfg.swarm,
-                self.membership,
-                self._declared_id(),
-                False,
-                self._revocations,
-            )
+            self._declared_at = time.monotonic()
+            try:
+                futures = declare_member(
+                    self.dht,
+                    self.cfg.swarm,
+                    self.membership,
+                    self._declared_id(),
+                    False,
+                    self._revocations,
+                )
+            except Exception:
+                self._declared_at = -math.inf  # again at the next tick
+                raise
+            for future in futures:
+                future.add_done_callback(self._declared)
         if self.cfg.attack == "dht_overwrite":  # bench attack only
             overwrite_records(self.dht, self.cfg.swarm, self.membership.certificate().to_text())
+
+    def _declared(self, future: Any) -> None:
+        """A store of the certificate (or revocation list) ended: if it failed, the next status
+        tick stores it again rather than REPUBLISH_EVERY_S later."""
+        if future.cancelled() or future.exception() is not None or not future.result():
+            self._declared_at = -math.inf
+
+    def _digests_stored(self, future: Any) -> None:
+        if future.cancelled() or future.exception() is not None or not future.result():
+            self._agreement_at = -math.inf  # stored again at the next status tick
 
     def roster(self, fresh: bool = False) -> Roster | None:
         """The swarm's certified members (None: an open swarm), as the status thread last read
@@ -435,8 +452,13 @@ class PeerRuntime:
             self._digested_round = r
         elif now - self._agreement_at < REPUBLISH_EVERY_S:
             return  # published, unchanged, and far from expiring
-        self.agreement.publish(self.dht, self.cfg.swarm, self._subkey)
         self._agreement_at = now
+        try:
+            future = self.agreement.publish(self.dht, self.cfg.swarm, self._subkey)
+        except Exception:
+            self._agreement_at = -math.inf  # again at the next tick
+            raise
+        future.add_done_callback(self._digests_stored)
 
     def _wait_for_peers(self) -> None:
         assert self.dht is not None
@@ -843,7 +865,11 @@ class PeerRuntime:
             "downloading the swarm's state (training goes on)",
             self.round,
         )
-        self._resync_round = resync_floor([g.get("round", 0) for g in result.peers])
+        live = self._known_others  # as the status thread last read them
+        self._resync_round = resync_floor(
+            [g.get("round", 0) for g in result.peers],
+            StateCheck.swarm_round(live) if live else None,
+        )
         self._resync = self.averager.download_state(
             self.cfg.state_timeout_s, self.state_sources(), wait=False
         )

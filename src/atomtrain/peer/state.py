@@ -70,18 +70,23 @@ class StateCheck:
         return disagreement(meta["round"], tensors[0], tensors[1], records)
 
 
-def resync_floor(claimed_rounds: list[Any]) -> int:
-    """The oldest round a re-synchronizing member accepts a download at: the lower median of
-    the rounds its group's members claimed (its own included). The largest claim would let one
-    member, claiming a huge round, make every download look behind, so that its victim never
-    re-synchronizes; the lower median moves only when most members claim more."""
+def resync_floor(claimed_rounds: list[Any], swarm_round: int | None = None) -> int:
+    """The oldest round a re-synchronizing member accepts a download at: the largest round its
+    group's members claimed (its own included), capped at `swarm_round` (the round most live
+    peers' signed statuses give, StateCheck.swarm_round), or without one, the lower median of the
+    claims. The largest claim alone would let one member, claiming a huge round, make every
+    download look behind, so that its victim never re-synchronizes."""
     rounds = []
     for r in claimed_rounds:
         try:
             rounds.append(max(int(r), 0))
         except (TypeError, ValueError, OverflowError):
             continue  # malformed: no claim
-    return int(lower_median(rounds))
+    if not rounds:
+        return 0
+    if swarm_round is None:
+        return int(lower_median(rounds))
+    return min(max(rounds), max(swarm_round, 0))
 
 
 def download_sources(statuses: list[PeerStatus], own_peer_id: str = "") -> list[str]:
