@@ -802,8 +802,9 @@ class PeerRuntime:
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
         if self.wire is not None:  # everything since the last round: its share of the link
-            # as the status thread last read it (every PUBLISH_EVERY_S): a netlink dump here
-            # would cost the training thread
+            # as the status thread last read it (every PUBLISH_EVERY_S, and as a round lands):
+            # a netlink dump here would cost the training thread. So a round's figure may miss
+            # its last moments, which the next round's then holds: the mean over rounds holds
             moved = sum(self.wire.last_totals())
             self.last_round_bytes = moved - self._wire_at_last_round
             self._wire_at_last_round = moved
