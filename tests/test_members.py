@@ -198,12 +198,13 @@ def test_a_joiner_ranks_sources_by_rounds_capped_at_the_swarms():
 
 def test_a_member_claiming_a_huge_round_does_not_make_every_resync_download_look_behind():
     """A re-synchronizing member accepts a download at the largest round its group claimed,
-    capped at the round most live peers' signed statuses give (before: the largest claim, so one
-    member claiming 10**9 kept its victim out of sync); with no statuses read, the lower median
-    of the claims."""
+    capped at the round most live peers' signed statuses give, never below the claims' lower
+    median (before: the largest claim, so one member claiming 10**9 kept its victim out of
+    sync)."""
     assert resync_floor([7, 10**9], swarm_round=8) == 8  # itself and the liar
     assert resync_floor([7, 8], swarm_round=8) == 8  # behind its honest partner: the partner's
     assert resync_floor([7, 7], swarm_round=9) == 7  # the group's, not newer
+    assert resync_floor([7, 7, 7], swarm_round=0) == 7  # a status claiming 0 lowers nothing
     assert resync_floor([7, 10**9]) == 7
     assert resync_floor([7, 8, 9, 9]) == 8
     assert resync_floor(["x", None, 5, float("inf")]) == 5  # malformed claims claim nothing

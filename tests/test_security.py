@@ -251,8 +251,9 @@ def test_a_lying_reducer_moves_its_span_by_a_bounded_amount_or_is_caught(tmp_pat
 def test_a_reducers_averages_are_checked_as_tightly_as_its_centering_allows():
     """Three or more members in sync: 4 (typical + own); fewer with the reducer among them (it
     centers on its own part): 20; fewer without it (a reducer out of sync, which may be the liar):
-    4 again, with the larger report as typical. At the 4x bound, for a member whose update is of
-    typical size, an average 7 typical updates away passes and 9 does not."""
+    4 again, with the larger report as typical (at most 5 times the smaller). At the 4x bound,
+    for a member whose update is of typical size, an average 7 typical updates away passes and
+    9 does not."""
     from atomtrain.peer.robust import Defence, reducer_bounds, returned_lie
 
     d = Defence()
@@ -262,6 +263,11 @@ def test_a_reducers_averages_are_checked_as_tightly_as_its_centering_allows():
     assert reducer_bounds([1.0, 5.0], False, d)[0].rms == 5.0
     assert reducer_bounds([1.0, 5.0], False, d)[1] == 4.0
     assert reducer_bounds([], False, Defence(min_scale=0.5))[0].rms == 0.5
+    # a member reporting nonsense does not turn three in sync into the loose case...
+    assert reducer_bounds([1.0, 1.0, float("nan")], True, d)[1] == 4.0
+    assert reducer_bounds([1.0, 1.0, -1.0], True, d)[1] == 4.0
+    # ...nor does a colluder's huge report widen the bound past the loose one
+    assert reducer_bounds([1.0, 1e6], False, d)[0].rms == 5.0
     n = 400
     own = torch.randn(n, generator=torch.Generator().manual_seed(5))
     own *= 0.1 / float(own.pow(2).mean().sqrt())  # rms 0.1: a typical update
@@ -518,7 +524,7 @@ def test_no_honest_reducer_is_taken_for_a_liar_when_members_have_just_joined():
     joined or re-synchronized bring updates 3-10x smaller than the others'. Whichever member
     reduces, every other member finds what it returns within 1.5 of the 4 (typical update + own
     part) that the check allows: honest averages sit well inside the bound."""
-    from atomtrain.peer.robust import Defence, Typical, returned_lie
+    from atomtrain.peer.robust import Defence, Typical, reducer_bounds, returned_lie
 
     assert Defence().reduced == 4.0
     g = torch.Generator().manual_seed(3)
@@ -544,6 +550,17 @@ def test_no_honest_reducer_is_taken_for_a_liar_when_members_have_just_joined():
                         why = returned_lie("delta", parts[member], average, typical, 1.5)
                         assert why is None, (shared, sizes, reducer, member, why)
                     groups += 1
+                # the same members with the reducer out of sync (its update left out): it
+                # clips the others' around their mean, checked as tightly
+                stale = torch.randn(400, generator=g)
+                flags = [False] + [True] * len(parts)
+                average, rejected = reduce_one_part(
+                    dict(enumerate([stale, *parts])), shape=(400,), in_sync=flags
+                )
+                claims = [float(p.pow(2).mean().sqrt()) for p in parts]
+                bounds = reducer_bounds(claims, False, Defence())
+                for own in parts:
+                    assert returned_lie("delta", own, average, bounds[0], 1.5) is None, sizes
     assert groups == 3 * 2 * 18
 
 

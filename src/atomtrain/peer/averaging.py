@@ -25,8 +25,10 @@ so every attempt restarts from that copy. Both live in shared memory, read by hi
 The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
 (robust.py) and excludes from its next rounds (`STALL_ROUNDS`, doubled at each repeat) any member
 that stalled a round: one that joined the group and then sent nothing, or reduced nothing
-(exact.py tells which). Counted in rounds rather than banned for good, since an honest peer
-frozen for a while (or cut off) looks the same. A group
+(exact.py tells which), or reduced its span to averages beyond what an honest reducer returns
+(robust.reducer_bounds). Counted in rounds rather than banned for good, since an honest peer
+frozen for a while (or cut off), or an honest reducer left with fewer than three parts, can look
+the same. A group
 that holds a member this one excludes or banned does not make it abort (that would spoil the
 round for the others too): it takes part, drops that member's parts where it reduces, and
 discards the round for itself only.
@@ -627,7 +629,7 @@ class GuardedAverager(DecentralizedAverager):
         try:
             bandwidth, mode, user = self.serializer.loads(data)
             info = self.serializer.loads(user)
-            numbers = [float(info["weight"]), float(info["probe"])]
+            numbers = [float(info["weight"]), float(info["probe"]), float(info["rms"])]
             if bandwidth is not None:  # hivemind's default: unknown
                 numbers.append(float(bandwidth))
             AveragingMode(mode)
@@ -705,6 +707,7 @@ class GuardedAverager(DecentralizedAverager):
             "defence": defence,
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
+            "on_doubt": self._stall if self._trusted else lambda peer_id, why: None,
             "lie": lie_sizes(tight) if self._attack == "lying_reducer" else 0.0,  # bench only
         }
 

@@ -23,16 +23,17 @@ elements (see averaging.py) are averaged as they are, with the same weights, so 
 still tell a fully averaged round from a partial one.
 
 A reducer can lie too: every member checks the averaged parts it receives (reducer_bounds):
-finite, and within `reduced` times a typical update and its own part of its own values where the
-reducer clips around a median or a mean (three or more members in sync, or a reducer out of
-sync), `reject` times where it centers on its own part (fewer than three in sync). Beyond `reject`
-the reducer is rejected and banned like a sender; beyond the tight bound only, it is left out of
-the next rounds for a while, as a member that stalls (an honest reducer left with fewer than
-three parts centers on its own part and may land there). Either way the round is discarded. One
-that lies within the bound is not caught: it can move its span's average by a few typical
-updates each round (up to about 40 where fewer than three are in sync); `lying_reducer` in bench
-attack measures what that costs. Only redundant reduction or cross-checks of the reducers'
-inputs (BTARD) would bound it further.
+within `reduced` times a typical update and its own part of its own values where the reducer
+clips around a median or a mean (three or more members in sync, or a reducer out of sync),
+`reject` times where it centers on its own part (fewer than three in sync, the reducer among
+them). A reducer that returns non-finite values is rejected and banned like a sender; one beyond
+its bound is doubted: the round is discarded and the reducer left out of the next rounds for a
+while, as a member that stalls (longer each time), not banned, since an honest reducer can land
+there too (one left with fewer than three parts centers on its own part). One that lies within
+the bound is not caught: it can move its span's average by a few typical updates each round (up
+to about 40 where it centers on its own part); `lying_reducer` in bench attack measures what that
+costs. Only redundant reduction or cross-checks of the reducers' inputs (BTARD) would bound it
+further.
 """
 
 from __future__ import annotations
@@ -65,12 +66,13 @@ class Defence:
     """...and beyond this many, dropped, and their sender banned."""
     reduced: float = 4.0
     """A reducer's average of an update span farther from a member's own part than this many
-    times (typical update + that part) is doubted: the round is discarded and the reducer left
-    out for a while (reducer_bounds says where it applies). An honest average that clips around a
-    median or a mean lies within about one such size (measured: at most 0.97 with members whose
-    updates are 3-10x smaller than the others'; the typical update is the upper median of what
-    members report). The bound was `reject`, 20: a reducer could move its span by up to about 40
-    typical updates, unseen, every round."""
+    times (typical update + that part) is doubted where the reducer clips around a median (three
+    or more members in sync) or a mean (it is out of sync): the round is discarded and the
+    reducer left out for a while (reducer_bounds; `reject` times where it centers on its own
+    part). Measured in the median case: honest averages within 0.97 of such a size with members
+    whose updates are 3-10x smaller than the others'; the typical update is the upper median of
+    what members report. The bound was `reject`, 20: a reducer could move its span by up to
+    about 40 typical updates, unseen, every round."""
     min_scale: float = 0.0
     """Smallest typical update (RMS), so a group whose updates are near zero (a round right after
     a sync) does not take an honest larger update for an outlier."""
@@ -116,20 +118,30 @@ def reducer_bounds(
     claims: Sequence[float], reducer_counted: bool, defence: Defence
 ) -> tuple[Typical, float]:
     """(typical update, factor) a reducer's averages are checked against, from the sizes the
-    members in sync reported (`claims`) and whether the reducer is one of them:
+    members in sync reported (`claims`, one per member in sync, valid or not) and whether the
+    reducer is one of them:
     - three or more in sync: each reducer clips their parts around their median; the typical
-      update is the upper median of their reports, the factor `reduced`;
+      update is the upper median of their valid reports, the factor `reduced`;
     - fewer, the reducer among them: it centers on its own part, so an honest average may sit
       about its size from a member's; the smaller report, the factor `reject`;
     - fewer, the reducer not among them (out of sync: its own update left out): it clips the
-      others' parts around their mean; the larger report (no liar's claim widens the bound of a
-      span a liar reduces), the factor `reduced`."""
+      others' parts around their mean; the larger report, but no more than `reject / reduced`
+      times the smaller (so a colluder's claim buys no more than the loose bound), the factor
+      `reduced`.
+    The case follows the count of members in sync, not of valid reports: a member cannot pick
+    the loose bound by reporting nonsense."""
     ok = sorted(c for c in claims if math.isfinite(c) and c >= 0)
-    if len(ok) >= 3:
+    if len(claims) >= 3:
         return Typical.of(ok, defence.min_scale), defence.reduced
     if reducer_counted:
         return Typical.of(ok, defence.min_scale), defence.reject
-    return Typical(max(ok[-1] if ok else 0.0, defence.min_scale)), defence.reduced
+    if not ok:
+        return Typical(defence.min_scale), defence.reduced
+    cap = defence.reject / defence.reduced * max(ok[0], defence.min_scale)
+    return Typical(max(min(ok[-1], cap), defence.min_scale)), defence.reduced
+
+
+NON_FINITE = "non-finite averages"
 
 
 def returned_lie(
@@ -140,7 +152,7 @@ def returned_lie(
     typical update and that part together, about as far as an honest average can be."""
     delta = average.float() - own.float()
     if not bool(torch.isfinite(delta).all()):
-        return "non-finite averages"
+        return NON_FINITE
     size = bound(typical.rms, delta.numel(), 1.0) + float(own.float().norm())
     norm = float(delta.norm())
     if kind != PROBE and norm > size * factor:
@@ -319,12 +331,14 @@ class RobustRunner(ExactAverageRunner):
         in_sync: dict[PeerID, bool] | None,
         defence: Defence,
         on_reject: Callable[[PeerID, str], None],
+        on_doubt: Callable[[PeerID, str], None] | None = None,
         lie: float = 0.0,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self.defence = defence
         self._on_reject = on_reject
+        self._on_doubt = on_doubt or (lambda peer_id, why: None)
         own_index = self.ordered_peer_ids.index(self.peer_id)
         own_parts = self.tensor_part_container._input_parts_by_peer[own_index]
         part_kinds = [kinds[info.key] for _, info in own_parts]
@@ -361,23 +375,23 @@ class RobustRunner(ExactAverageRunner):
         self.tensor_part_container.register_processed_part = checked
 
     def _check_reduced(self, peer_index: int, part_index: int, average: torch.Tensor) -> None:
-        """`average`: what the reducer of that span sent back for our part. Beyond `reject`
-        (or non-finite), the reducer is rejected and banned; beyond its tight bound only, it is
-        left out of the next rounds for a while (as a member that stalls), not banned: an
-        honest reducer left with fewer than three parts (others dropped, or missing) centers on
-        its own part and may land there. Either way the round is discarded."""
+        """`average`: what the reducer of that span sent back for our part. Non-finite: the
+        reducer is rejected and banned. Beyond its bound (reducer_bounds): it is doubted, left
+        out of the next rounds for a while as a member that stalls, not banned, since an honest
+        reducer can land there too (one left with fewer than three parts, others dropped or
+        missing, centers on its own part; with updates tens of times larger than a member's,
+        its honest average sits past any fixed bound). Either way the round is discarded."""
         kind = self._kinds_by_peer[peer_index][part_index]
         own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
-        typical, tight = self._bounds[peer_index]
+        typical, factor = self._bounds[peer_index]
         culprit = self.ordered_peer_ids[peer_index]
-        why = returned_lie(kind, own, average, typical, self.defence.reject)
-        if why is not None:
+        why = returned_lie(kind, own, average, typical, factor)
+        if why is None:
+            return
+        if why == NON_FINITE:
             self._on_reject(culprit, f"reducer returned {why}")
         else:
-            why = returned_lie(kind, own, average, typical, tight)
-            if why is None:
-                return
-            self._stalled(culprit, f"returned {why} (its round discarded)")
+            self._on_doubt(culprit, f"returned {why} (its round discarded)")
         error = AllreduceException(f"{culprit} returned {why}")
         self.finalize(exception=error)  # the round is lost: end it now, not at its timeout
         raise error

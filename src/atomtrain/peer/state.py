@@ -73,9 +73,10 @@ class StateCheck:
 def resync_floor(claimed_rounds: list[Any], swarm_round: int | None = None) -> int:
     """The oldest round a re-synchronizing member accepts a download at: the largest round its
     group's members claimed (its own included), capped at `swarm_round` (the round most live
-    peers' signed statuses give, StateCheck.swarm_round), or without one, the lower median of the
-    claims. The largest claim alone would let one member, claiming a huge round, make every
-    download look behind, so that its victim never re-synchronizes."""
+    peers' signed statuses give, StateCheck.swarm_round), and never below the lower median of
+    the claims (a status claiming round 0 does not lower it). The largest claim alone would let
+    one member, claiming a huge round, make every download look behind, so that its victim never
+    re-synchronizes."""
     rounds = []
     for r in claimed_rounds:
         try:
@@ -84,9 +85,10 @@ def resync_floor(claimed_rounds: list[Any], swarm_round: int | None = None) -> i
             continue  # malformed: no claim
     if not rounds:
         return 0
+    floor = int(lower_median(rounds))
     if swarm_round is None:
-        return int(lower_median(rounds))
-    return min(max(rounds), max(swarm_round, 0))
+        return floor
+    return max(floor, min(max(rounds), swarm_round))
 
 
 def download_sources(statuses: list[PeerStatus], own_peer_id: str = "") -> list[str]:
