@@ -96,10 +96,9 @@ class Typical:
     what members report: in a group of three or more the upper median (the middle value, or the
     larger of the two middle ones), which no single member can move beyond the others' values;
     the upper one, so that where half a group has just joined or re-synchronized (updates of a
-    few steps) the other half's larger updates still count as typical. In a group of two, the
-    smaller report (the larger may be a liar's). Only the check of what
-    reducers send back uses it (a member sees no one else's update); reducers measure the parts
-    they hold."""
+    few steps) the other half's larger updates still count as typical. With fewer reports, the
+    smaller one (the larger may be a liar's). Only the check of what reducers send back uses it
+    (a member sees no one else's update); reducers measure the parts they hold."""
 
     rms: float
 
