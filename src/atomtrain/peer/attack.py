@@ -44,19 +44,16 @@ metadata rewritten (a thousand times the rms and weight it claimed), under that 
 signature; `lying_reducer`: a member that trains and sends honestly and, reducing its span of
 each round, moves the average it returns in one fixed direction by about as much as members
 accept (lie_sizes), the same average to every member (no member's copy differs from another's)."""
-LIE_SIZES = 6.0
-"""How far a lying reducer moves its span's average, in typical updates, where members check it
-against the tight bound: under what they accept (robust.Defence.reduced times a typical update and
-their own part: about 8 for a member whose update is typical), as a reducer that knows the check
-would."""
-LIE_SIZES_LOOSE = 30.0
-"""...and where they check it against the loose one (fewer than three members in sync, the
-reducer among them: robust.reducer_bounds), up to robust.Defence.reject times as much."""
+LIE_FRACTION = 0.75
+"""A lying reducer moves its span's average by this share of what members accept from a reducer
+(robust.reducer_bounds: `factor` times a typical update and their own part, about 2 * factor
+typical updates for a member whose update is typical), as a reducer that knows the check would."""
 
 
-def lie_sizes(tight: bool) -> float:
-    """`lying_reducer`: how far it moves its span's average under a tight or a loose check."""
-    return LIE_SIZES if tight else LIE_SIZES_LOOSE
+def lie_sizes(factor: float) -> float:
+    """`lying_reducer`: how far, in typical updates, it moves its span's average when members
+    check it at `factor`."""
+    return LIE_FRACTION * 2 * factor
 
 
 ALIE_Z = 1.0

@@ -629,7 +629,9 @@ class GuardedAverager(DecentralizedAverager):
         try:
             bandwidth, mode, user = self.serializer.loads(data)
             info = self.serializer.loads(user)
-            numbers = [float(info["weight"]), float(info["probe"]), float(info["rms"])]
+            numbers = [float(info["weight"]), float(info["probe"])]
+            if self._defence is not None:  # the defences read the size it reports
+                numbers.append(float(info["rms"]))
             if bandwidth is not None:  # hivemind's default: unknown
                 numbers.append(float(bandwidth))
             AveragingMode(mode)
@@ -676,6 +678,14 @@ class GuardedAverager(DecentralizedAverager):
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
+    def _lie(self, tight: bool) -> float:
+        """bench attack's lying reducer: as far as the swarm's check lets it (its own defences'
+        bounds, which every member shares; the defaults in an undefended swarm)."""
+        if self._attack != "lying_reducer":
+            return 0.0
+        bounds = self._defence or Defence()
+        return lie_sizes(bounds.reduced if tight else bounds.reject)
+
     def _robust_arguments(self, group_info: Any, defence: Defence) -> dict[str, Any]:
         """The robust runner's view of the group, from the metadata its members gathered
         (NO_DEFENCE: hivemind's plain weighted mean, for a lying reducer in an undefended
@@ -708,7 +718,7 @@ class GuardedAverager(DecentralizedAverager):
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
             "on_doubt": self._stall if self._trusted else lambda peer_id, why: None,
-            "lie": lie_sizes(tight) if self._attack == "lying_reducer" else 0.0,  # bench only
+            "lie": self._lie(tight),  # bench attack only
         }
 
 

@@ -101,6 +101,10 @@ REPUBLISH_EVERY_S = 10.0
 """How often a record that did not change (a certificate, the digests of rounds already
 published) is stored again, well within its time to live (30 s). Storing every record at every
 status tick cost the DHT process and the status thread a few percent of a 0.45-core quota."""
+SETTLE_S = 30.0
+"""For this long after start a peer re-stores its certificate at every status tick, as a joiner
+whose first store reached few DHT nodes must be found soon by every peer's gate (at every 10 s
+from the start, a churn test's joiner missed its first rounds)."""
 READ_EVERY_S = 10.0
 """How often a peer reads the swarm's records (who is live, certificates, revocations): each
 read brings every peer's record, so the swarm's reads grow as N^2 over this period."""
@@ -348,6 +352,7 @@ class PeerRuntime:
         """Publishes from its own thread, so a peer stays visibly alive while its main thread
         waits (for a round, or for the others at the end)."""
         last_read = -math.inf
+        settled = time.monotonic() + SETTLE_S
         while not self._stop_publishing.is_set():
             self._round_changed.wait(PUBLISH_EVERY_S)  # at once when the round changes
             self._round_changed.clear()
@@ -358,7 +363,8 @@ class PeerRuntime:
                 self._publish_agreement()
                 now = time.monotonic()
                 read = now - last_read >= READ_EVERY_S
-                self._refresh_membership(read, now - self._declared_at >= REPUBLISH_EVERY_S)
+                every = REPUBLISH_EVERY_S if now >= settled else 0.0
+                self._refresh_membership(read, now - self._declared_at >= every)
                 last_read = now if read else last_read
             except Exception as e:  # the DHT going away at shutdown
                 log.debug("status not published: %s", e)
