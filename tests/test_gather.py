@@ -15,6 +15,7 @@ from hivemind.utils.serializer import MSGPackSerializer as Serializer
 from atomtrain.peer.averaging import FORGED, MALFORMED, UNVERIFIED, GuardedAverager
 from atomtrain.peer.certs import peer_id_of
 from atomtrain.peer.gather import check, seal, unseal
+from atomtrain.peer.robust import Defence
 
 PREFIX = "s_avg"
 AT = 1000.0  # the round's scheduled time, DHT seconds
@@ -83,6 +84,7 @@ class Checker:
         self.prefix, self.dht, self._round_at, self._window_s = PREFIX, None, AT, WINDOW_S
         self._sealed, self._leaders = sent, {}
         self._discard = SimpleNamespace(value=0)
+        self._defence = Defence()  # a defended swarm: the reported rms is checked too
         self._events = SimpleNamespace(put=lambda event: None)
         self.rejected: list[tuple[PeerID, str]] = []
 

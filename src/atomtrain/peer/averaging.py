@@ -626,11 +626,12 @@ class GuardedAverager(DecentralizedAverager):
 
     def _well_formed(self, data: bytes) -> bool:
         """hivemind's part and the fields every round reads, as an honest member sends them."""
+        defended = self._defence is not None  # the defences read the size it reports
         try:
             bandwidth, mode, user = self.serializer.loads(data)
             info = self.serializer.loads(user)
             numbers = [float(info["weight"]), float(info["probe"])]
-            if self._defence is not None:  # the defences read the size it reports
+            if defended:
                 numbers.append(float(info["rms"]))
             if bandwidth is not None:  # hivemind's default: unknown
                 numbers.append(float(bandwidth))
