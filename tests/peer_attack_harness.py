@@ -117,8 +117,7 @@ def main() -> None:
         8,
         lambda: ({}, []),
         MemberGate(KEY, "atk"),
-        # the lying reducer's tests check reducers at 4x (robust.Defence.reduced's default is 20)
-        (Defence(reduced=4.0) if attack.startswith("lying") else Defence()) if defend else None,
+        Defence() if defend else None,
         attack=attack if index == 2 else "",
     )
     delta, weight, rms_claim = vectors(index), 1.0, 0.0

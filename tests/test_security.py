@@ -256,7 +256,7 @@ def test_a_reducers_averages_are_checked_as_tightly_as_its_centering_allows():
     9 does not."""
     from atomtrain.peer.robust import Defence, reducer_bounds, returned_lie
 
-    d = Defence(reduced=4.0)  # the tight check (off by default: robust.Defence.reduced)
+    d = Defence()  # reduced = 4: the tight check
     assert reducer_bounds([1.0, 2.0, 3.0, 9.0], True, d) == (reducer_bounds([3.0], False, d)[0], 4)
     assert reducer_bounds([1.0, 2.0, 3.0], True, d)[0].rms == 2.0
     assert reducer_bounds([1.0, 5.0], True, d) == (reducer_bounds([1.0], True, d)[0], 20.0)

@@ -4,7 +4,7 @@ Members of a round apply the same bits of the average (exact.py), so every peer 
 the same synchronized parameters and outer momentum. Each peer publishes, signed under its own
 key (a record no one else can write), exact digests of both for its last rounds. A downloaded
 state is taken only when the digests of its parameters and momentum match those that more than
-half of the publishing peers hold for its round: a forged model or an oversized momentum buffer,
+half of the peers that reached its round hold (disagreement): a forged model or an oversized momentum buffer,
 served by one peer, matches only that peer's own record, and is refused before it replaces
 anything.
 
@@ -121,15 +121,32 @@ def disagreement(
     momentum: torch.Tensor,
     records: Mapping[str, Sequence[RoundDigest]],
 ) -> str | None:
-    """Why a state of `round` is not what the swarm agrees on, or None when more than half of
-    the publishing peers hold exactly it."""
+    """Why a state of `round` is not what the swarm agrees on, or None when it is. The voters
+    are the publishing peers that reached the round (their latest published round is at least
+    it); a peer still behind it has nothing to say about it. The state passes when at least half
+    of the publishing peers are voters and more than half of the voters hold exactly it (a voter
+    that no longer keeps the round counts against it). Counting every publisher, as before, a
+    peer still behind, or the record of one killed moments ago (alive for its 30 s), outvoted
+    the swarm's own state: in churn, members cut off from the group re-synchronized at no round
+    ("match 1 of 3") and trained apart to the end. One member alone cannot pass a state of a
+    round no one else reached: half the publishers must have reached it."""
     if not records:
         return "no peer published what the swarm holds"
-    have = RoundDigest.of(round, params, momentum)
-    agree = sum(have in entries for entries in records.values())
-    if agree * 2 <= len(records):
+    voters = [
+        entries
+        for entries in records.values()
+        if entries and max(e.round for e in entries) >= round
+    ]
+    if len(voters) * 2 < len(records):
         return (
-            f"its round {round} parameters and momentum match {agree} of {len(records)} "
+            f"only {len(voters)} of {len(records)} peers published that they reached its "
+            f"round {round}"
+        )
+    have = RoundDigest.of(round, params, momentum)
+    agree = sum(have in entries for entries in voters)
+    if agree * 2 <= len(voters):
+        return (
+            f"its round {round} parameters and momentum match {agree} of {len(voters)} "
             f"peers' published digests"
         )
     return None

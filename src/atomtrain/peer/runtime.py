@@ -783,6 +783,20 @@ class PeerRuntime:
             self._shift(0.0)
             self._start_resync(result)
             return
+        if result.in_sync and sum(result.in_sync) < 2 and not self._final:
+            # no other member held our synchronized parameters: the "average" is our own update
+            # alone. Applied, it made a round only this peer holds, so the partner that went to
+            # download the swarm's state found no round others could vouch for (agreement.py),
+            # and this peer raced ahead on rounds of one (churn: "only 1 of 4 peers reached its
+            # round 13", to the end of the run). Not a round: the progress goes with the next.
+            self.failed_rounds += 1
+            self.outcomes.append(False)
+            self._shift(0.0)
+            log.info(
+                "round %d: no other member in sync; its progress goes with the next round",
+                self.round,
+            )
+            return
         params = self.runner.host_parameters()
         with self.lock, self.averager.averaged() as pairs:
             apply_outer_step(
