@@ -4,9 +4,9 @@ Members of a round apply the same bits of the average (exact.py), so every peer 
 the same synchronized parameters and outer momentum. Each peer publishes, signed under its own
 key (a record no one else can write), exact digests of both for its last rounds. A downloaded
 state is taken only when the digests of its parameters and momentum match those that more than
-half of the peers that reached its round hold (disagreement): a forged model or an oversized momentum buffer,
-served by one peer, matches only that peer's own record, and is refused before it replaces
-anything.
+half of the peers that reached its round hold (disagreement): a forged model or an oversized
+momentum buffer, served by one peer, matches only that peer's own record, and is refused before
+it replaces anything.
 
 Peers whose arithmetic rounds differently (the outer step on CPUs with and without fused
 multiply-add) would not hold the same bits; such a swarm would refuse its own states.
