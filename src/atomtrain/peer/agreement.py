@@ -124,12 +124,11 @@ def disagreement(
     """Why a state of `round` is not what the swarm agrees on, or None when it is. The voters
     are the publishing peers that reached the round (their latest published round is at least
     it); a peer still behind it has nothing to say about it. The state passes when at least half
-    of the publishing peers are voters and more than half of the voters hold exactly it (a voter
-    that no longer keeps the round counts against it). Counting every publisher, as before, a
-    peer still behind, or the record of one killed moments ago (alive for its 30 s), outvoted
-    the swarm's own state: in churn, members cut off from the group re-synchronized at no round
-    ("match 1 of 3") and trained apart to the end. One member alone cannot pass a state of a
-    round no one else reached: half the publishers must have reached it."""
+    of the publishing peers, and at least two (unless only one peer publishes), are voters, and
+    more than half of the voters hold exactly it (a voter that no longer keeps the round counts
+    against it). Counting every publisher, as before, peers still behind, or the records of
+    peers killed moments ago (alive for 30 s), outvoted the swarm's own state. One member alone
+    cannot pass a round no one else reached."""
     if not records:
         return "no peer published what the swarm holds"
     voters = [
@@ -137,7 +136,7 @@ def disagreement(
         for entries in records.values()
         if entries and max(e.round for e in entries) >= round
     ]
-    if len(voters) * 2 < len(records):
+    if len(voters) * 2 < len(records) or len(voters) < min(2, len(records)):
         return (
             f"only {len(voters)} of {len(records)} peers published that they reached its "
             f"round {round}"
