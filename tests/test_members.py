@@ -211,37 +211,6 @@ def test_a_member_claiming_a_huge_round_does_not_make_every_resync_download_look
     assert resync_floor([]) == 0
 
 
-def test_only_peers_that_reached_a_round_vote_on_its_state():
-    """A re-synchronizing member checks a downloaded state of round 9 against the digests of the
-    peers that reached round 9. Peers still at round 7 (behind, or killed at round 7 with their
-    records alive for 30 s) do not outvote the swarm (before: "match 2 of 4"); a peer past the
-    round that no longer keeps it counts against; one member alone cannot pass a round the others
-    never reached, nor vouch alone where another peer publishes."""
-    import torch
-
-    from atomtrain.peer.agreement import RoundDigest, disagreement
-
-    held = (torch.ones(8), torch.zeros(8))
-    forged = (torch.full((8,), 2.0), torch.zeros(8))
-
-    def record(*rounds: tuple[int, tuple]) -> list[RoundDigest]:
-        return [RoundDigest.of(r, *state) for r, state in rounds]
-
-    at9 = record((8, held), (9, held))
-    behind = record((6, forged), (7, forged))
-    assert disagreement(9, *held, {"A": at9, "B": at9, "C": behind, "D": behind}) is None
-    assert disagreement(9, *held, {"A": at9}) is None  # a swarm of two
-    assert "only 1 of 2" in (disagreement(9, *held, {"A": at9, "B": behind}) or "")
-    assert "match 1 of 2" in (disagreement(9, *forged, {"A": at9, "L": record((9, forged))}) or "")
-    moved_on = record((10, held), (11, held), (12, held))  # round 9 no longer kept
-    assert "match 1 of 2" in (disagreement(9, *held, {"A": at9, "B": moved_on}) or "")
-    # a liar alone at a round no one else reached
-    for others in ({"A": at9}, {"A": at9, "B": at9}):
-        lone = {"L": record((50, forged)), **others}
-        assert "only 1 of" in (disagreement(50, *forged, lone) or "")
-    assert "no peer" in (disagreement(9, *held, {}) or "")
-
-
 def test_keygen_admit_and_a_certificate_for_another_identity_from_the_command_line(tmp_path):
     from .conftest import run_cli
 

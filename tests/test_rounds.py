@@ -171,10 +171,14 @@ def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(
         b.peer.round -= 1
         b.peer.theta_sync.add_(0.05)
         b.peer._sketch = b.peer.sketcher.of(b.peer.theta_sync)
-    before = b.peer.round
+    before, a_round, a_failed = b.peer.round, a.peer.round, a.peer.failed_rounds
     steps_until([a, b], lambda: b.peer._resync is not None or b.peer.round > before + 1)
     assert b.peer._resync is not None, "b did not find itself out of sync"
     steps_until([a, b], lambda: b.peer._resync is None)
+    # a, with no other member in sync, applied no round of its own update alone (a round only
+    # it held, which b's download could not have been checked against): b took a's round
+    assert a.peer.round == a_round and a.peer.failed_rounds > a_failed
+    assert b.peer.round == a_round
     # the download is counted on both sides: synchronized parameters and momentum, float32 (and
     # the round that found b out of sync, about 2 bytes a parameter each way)
     state = 8 * b.peer.numel

@@ -4,9 +4,9 @@ Members of a round apply the same bits of the average (exact.py), so every peer 
 the same synchronized parameters and outer momentum. Each peer publishes, signed under its own
 key (a record no one else can write), exact digests of both for its last rounds. A downloaded
 state is taken only when the digests of its parameters and momentum match those that more than
-half of the peers that reached its round hold (disagreement): a forged model or an oversized
-momentum buffer, served by one peer, matches only that peer's own record, and is refused before
-it replaces anything.
+half of the publishing peers hold for its round: a forged model or an oversized momentum buffer,
+served by one peer, matches only that peer's own record, and is refused before it replaces
+anything.
 
 Peers whose arithmetic rounds differently (the outer step on CPUs with and without fused
 multiply-add) would not hold the same bits; such a swarm would refuse its own states.
@@ -121,31 +121,15 @@ def disagreement(
     momentum: torch.Tensor,
     records: Mapping[str, Sequence[RoundDigest]],
 ) -> str | None:
-    """Why a state of `round` is not what the swarm agrees on, or None when it is. The voters
-    are the publishing peers that reached the round (their latest published round is at least
-    it); a peer still behind it has nothing to say about it. The state passes when at least half
-    of the publishing peers, and at least two (unless only one peer publishes), are voters, and
-    more than half of the voters hold exactly it (a voter that no longer keeps the round counts
-    against it). Counting every publisher, as before, peers still behind, or the records of
-    peers killed moments ago (alive for 30 s), outvoted the swarm's own state. One member alone
-    cannot pass a round no one else reached."""
+    """Why a state of `round` is not what the swarm agrees on, or None when more than half of
+    the publishing peers hold exactly it."""
     if not records:
         return "no peer published what the swarm holds"
-    voters = [
-        entries
-        for entries in records.values()
-        if entries and max(e.round for e in entries) >= round
-    ]
-    if len(voters) * 2 < len(records) or len(voters) < min(2, len(records)):
-        return (
-            f"only {len(voters)} of {len(records)} peers published that they reached its "
-            f"round {round}"
-        )
     have = RoundDigest.of(round, params, momentum)
-    agree = sum(have in entries for entries in voters)
-    if agree * 2 <= len(voters):
+    agree = sum(have in entries for entries in records.values())
+    if agree * 2 <= len(records):
         return (
-            f"its round {round} parameters and momentum match {agree} of {len(voters)} "
+            f"its round {round} parameters and momentum match {agree} of {len(records)} "
             f"peers' published digests"
         )
     return None
