@@ -127,6 +127,9 @@ def main() -> None:
         rms_claim = 1e3 * float(delta.pow(2).mean().sqrt()) if attack == "inflate" else 0.0
     rounds, rejected, stalled = [], [], []
     for r in range(ROUNDS):
+        # the proof lives 30 s in the DHT (auth.PROOF_TTL_S); a peer re-stores it every 10 s: so
+        # does each process here, before each round (a round after 30 s found no certificate)
+        declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
         barrier(work, f"round{r}_", index)
         if attack == "forge_gather" and index < 2:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
