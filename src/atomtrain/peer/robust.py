@@ -71,10 +71,10 @@ class Defence:
     reducer left out for a while (reducer_bounds; `reject` times where it centers on its own
     part). Honest averages were measured within 0.97 of such a size in the median case, with
     members whose updates are 3-10x smaller than the others'; in 7 churn runs (a peer killed
-    mid-round, restarted, a joiner) no honest reducer was doubted. (Session 9 turned it off after
-    churn test failures it did not cause: those were re-synchronizations that could not land,
-    agreement.py.) At 20 a reducer could move its span by up to about 40 typical updates
-    unseen; at 4, by about 8."""
+    mid-round, restarted, a joiner) no honest reducer was doubted (the churn failures once
+    blamed on this check were re-synchronizations that could not land: runtime.py `_apply`).
+    At 20 a reducer could move its span by up to about 40 typical updates unseen; at 4, by
+    about 8."""
     min_scale: float = 0.0
     """Smallest typical update (RMS), so a group whose updates are near zero (a round right after
     a sync) does not take an honest larger update for an outlier."""
