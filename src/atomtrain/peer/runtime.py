@@ -768,13 +768,16 @@ class PeerRuntime:
         try:
             result = av.result()
         except RoundFailed as e:
-            self.failed_rounds += 1
-            self.outcomes.append(False)
-            self._shift(0.0)
-            # nothing applied: the progress stays in the model and goes with the next round
-            log.info("round %d: %s; its progress goes with the next round", self.round, e)
+            self._lose_round(str(e))
             return
         self._apply(result, record)
+
+    def _lose_round(self, why: str) -> None:
+        """Nothing applied: the progress stays in the model and goes with the next round."""
+        self.failed_rounds += 1
+        self.outcomes.append(False)
+        self._shift(0.0)
+        log.info("round %d: %s; its progress goes with the next round", self.round, why)
 
     def _apply(self, result: RoundResult, record: dict[str, Any]) -> None:
         assert self.averager is not None
@@ -791,13 +794,7 @@ class PeerRuntime:
             # one (churn: a joiner at round 20 while the rest sat at 11, to the end of the run).
             # Not a round: the progress goes with the next. (Undefended swarms average every
             # member's update and check no download: they apply it as before.)
-            self.failed_rounds += 1
-            self.outcomes.append(False)
-            self._shift(0.0)
-            log.info(
-                "round %d: no other member in sync; its progress goes with the next round",
-                self.round,
-            )
+            self._lose_round("no other member in sync")
             return
         params = self.runner.host_parameters()
         with self.lock, self.averager.averaged() as pairs:
