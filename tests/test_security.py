@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from atomtrain.peer.auth import (
 from atomtrain.peer.averaging import GuardedAverager, ProbedAverager
 from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.robust import Defence, equal_weights
+from atomtrain.peer.traffic import Traffic
 
 from .peer_attack_harness import honest_mean
 
@@ -312,6 +314,49 @@ def test_a_leader_that_forges_a_members_metadata_loses_its_round_and_is_named(tm
         assert later and all(not r["failed"] and r["group"] == 2 for r in later), later
         for r in later:
             assert torch.allclose(r["delta"], honest_mean(), atol=1e-6)
+
+
+def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():
+    """A member's part arrives while this one still checks the group's metadata; the member
+    hangs up (its round failed, or on purpose). hivemind's handler awaits the group's start
+    itself, so the hang-up cancelled it: this member could not run its all-reduce and the honest
+    members it kept waiting excluded it as a staller (seen under load in the poisoned-round
+    test). The group must still start, and a part sent after it be served."""
+
+    class Runner:  # what the group's all-reduce answers a part with
+        async def rpc_aggregate_part(self, stream, context):
+            async for part in stream:
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, weight=part.weight
+                )
+
+    class Gate:
+        async def allows(self, dht, peer_id):
+            return True
+
+    async def scenario() -> list[int]:
+        avg = GuardedAverager.__new__(GuardedAverager)  # its handlers alone, no process
+        avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
+        avg._running_groups = {b"g": asyncio.Future()}
+        avg._pending_groups_registered = asyncio.Event()
+        avg._pending_groups_registered.set()
+
+        async def part(weight: float):
+            yield averaging_pb2.AveragingData(group_id=b"g", weight=weight)
+
+        async def served(weight: float) -> list[int]:
+            sender = SimpleNamespace(remote_id="member")
+            return [m.code async for m in avg.rpc_aggregate_part(part(weight), sender)]
+
+        early = asyncio.create_task(served(1.0))
+        await asyncio.sleep(0.05)
+        early.cancel()  # the sender hung up before this member started the group
+        with pytest.raises(asyncio.CancelledError):
+            await early
+        avg._running_groups[b"g"].set_result(Runner())  # InvalidStateError when cancelled
+        return await asyncio.wait_for(served(2.0), 5)
+
+    assert asyncio.run(scenario()) == [averaging_pb2.AVERAGED_PART]
 
 
 def test_every_member_weighs_the_same_whatever_it_claims():

@@ -36,6 +36,7 @@ discards the round for itself only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import multiprocessing as mp
@@ -66,7 +67,7 @@ from hivemind.compression import (
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import achain, as_aiter, azip
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
@@ -516,12 +517,26 @@ class GuardedAverager(DecentralizedAverager):
         if not await self._gate.allows(self.dht, context.remote_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        first = await anext(stream)
+        await self._group_started(first.group_id)
         # the reducer's side of this member's traffic: parts in, averages out
         async for message in super().rpc_aggregate_part(
-            self._traffic.count(RECEIVED, stream), context
+            self._traffic.count(RECEIVED, achain(as_aiter(first), stream)), context
         ):
             self._traffic.add(SENT, message)
             yield message
+
+    async def _group_started(self, group_id: bytes) -> None:
+        """Wait until this member runs the group's all-reduce (or never will), shielded:
+        hivemind's handler awaits the group's future itself, and a sender that gives up its
+        request (a member whose round failed, or one that hangs up on purpose) cancels the task
+        and with it that future, for the whole group. This member then could not start its
+        all-reduce at all, and the honest members it left waiting would exclude it as a staller."""
+        if group_id not in self._running_groups:
+            await self._pending_groups_registered.wait()  # as hivemind's handler does
+        started = self._running_groups.get(group_id)
+        if started is not None:
+            await asyncio.shield(started)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
