@@ -122,6 +122,14 @@ PERIOD_GRAIN_S = 0.5
 SLOT_MARGIN_S = 0.25
 """A round that could look for its group only this long before its slot takes the next slot."""
 MAX_PERIOD_S = 3600.0
+CATCH_UP_ROUNDS = 1
+"""A peer that downloads the swarm's state asks the swarm (in its status record) for a period its
+download fits in, until it has applied this many rounds: a download longer than the swarm's
+period lands a round or two behind, and the peer chased the swarm to the end of the run (4 peers
+at 10 Mbit/s: a 7 s download, a 3.5 s period; one peer re-synchronized 10 times and applied no
+round)."""
+MAX_CATCH_UP_FACTOR = 8.0
+"""A catch-up period is honoured up to this many times the swarm's period."""
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
 (rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
@@ -198,6 +206,13 @@ class PeerRuntime:
         self.last_matchmaking_s = 0.0
         self.outcomes: deque[bool] = deque(maxlen=20)  # applied or not, of the last rounds
         self._round_times: deque[float] = deque(maxlen=5)
+        self._resync_began = 0.0
+        self._download_s = 0.0
+        """How long this peer's last state download took."""
+        self.catch_up_s = 0.0
+        """The period this peer asks for while it catches up (0: none)."""
+        self._catch_up_rounds = 0
+        self._scheduled_period = 0.0
         self._rates = RateMeter()
         self._looking_since = 0.0
         self._group_found_at = 0.0
@@ -634,13 +649,16 @@ class PeerRuntime:
                 return False
             swarm = [s.period_s for s in self._known_others]
             self.period_s = self._proposal_s = first_period(self._step_s, swarm)
-        if not self._next_round_at:
-            self._next_round_at = _next_slot(now + self._lead(), self.period_s)
+        period = self._period_now()
+        if not self._next_round_at or period != self._scheduled_period:
+            # the first slot, or a peer's catch-up began or ended: slots of the period in force
+            self._next_round_at = _next_slot(max(self.round_slot, now + self._lead()), period)
+            self._scheduled_period = period
         if now + self._lead() < self._next_round_at:
             return False
         if self._prematched() and now + SLOT_MARGIN_S > self._next_round_at:
             # too late to find a group for this slot: the next one
-            self._next_round_at = _next_slot(now + self._lead(), self.period_s)
+            self._next_round_at = _next_slot(now + self._lead(), period)
             return False
         return True
 
@@ -727,7 +745,10 @@ class PeerRuntime:
         self._round_steps = self.steps_since_round
         self._round_tokens = self.round_tokens
         if self.period_s:  # the next slot on the shared clock, after this round's
-            self._next_round_at = _next_slot(max(self.round_slot, time.time()), self.period_s)
+            self._scheduled_period = self._period_now()
+            self._next_round_at = _next_slot(
+                max(self.round_slot, time.time()), self._scheduled_period
+            )
         if self.cfg.sync_mode == "async" and not self._final:
             self._shift(OWN_SHARE)
 
@@ -818,6 +839,9 @@ class PeerRuntime:
         self.last_sync = time.time()
         self.last_round_s = round_s
         self.outcomes.append(True)
+        if self._catch_up_rounds:
+            self._catch_up_rounds -= 1
+            self.catch_up_s = self.catch_up_s if self._catch_up_rounds else 0.0
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
         if self.wire is not None:  # everything since the last round: its share of the link
@@ -876,6 +900,21 @@ class PeerRuntime:
         if self._step_s:  # H, for the status table: local steps a period holds
             self._proposal = self.sync_every = max(1, round(period / self._step_s))
 
+    def _catch_up_period(self) -> float:
+        """A period this peer's last download fits in, with a round (CATCH_UP_ROUNDS)."""
+        if self.cfg.fixed_sync_every:
+            return 0.0
+        typical = statistics.median(self._round_times) if self._round_times else 0.0
+        need = AUTO_MARGIN * (self._download_s + typical + self._step_s) + self._lead()
+        return _grain(min(need, MAX_PERIOD_S))
+
+    def _period_now(self) -> float:
+        """The period in force: the swarm's, or longer while a peer catches up after a state
+        download (the longest any live peer asks for, within MAX_CATCH_UP_FACTOR)."""
+        asked = max([self.catch_up_s, *(s.catch_up_s for s in self._known_others)])
+        honoured = min(asked, MAX_CATCH_UP_FACTOR * self.period_s, MAX_PERIOD_S)
+        return _grain(honoured) if honoured > self.period_s else self.period_s
+
     # --- re-synchronization ----------------------------------------------------------------------
 
     def _start_resync(self, result: RoundResult) -> None:
@@ -893,6 +932,9 @@ class PeerRuntime:
         self._resync = self.averager.download_state(
             self.cfg.state_timeout_s, self.state_sources(), wait=False
         )
+        self._resync_began = time.perf_counter()
+        if self._download_s and not self.cfg.fixed_sync_every:  # as long as the last one took
+            self.catch_up_s = self._catch_up_period()
         self._resync_records = None
 
     def _poll_resync(self, record: dict[str, Any]) -> None:
@@ -928,6 +970,9 @@ class PeerRuntime:
             return
         self._load(state[0], list(state[1]), mode="resync")
         record["resynchronized"] = True
+        self._download_s = time.perf_counter() - self._resync_began
+        self.catch_up_s = max(self.catch_up_s, self._catch_up_period())
+        self._catch_up_rounds = CATCH_UP_ROUNDS
         log.info("re-synchronized at round %d (parameters %s)", self.round, digest(self.theta_sync))
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -992,6 +1037,7 @@ class PeerRuntime:
                 sync_every=self.sync_every,
                 round_s=self.last_round_s,
                 period_s=self.period_s,
+                catch_up_s=self.catch_up_s,
                 init_digest=self.init_digest if self.round == 0 else "",
                 sent_bps=sent_bps,
                 received_bps=received_bps,
