@@ -3,6 +3,7 @@ and averager processes), trained by hand so every outcome is deterministic to ch
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -208,6 +209,43 @@ def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(p
     assert a.peer.period_s % 0.5 == 0
     assert a.peer.round_slot == b.peer.round_slot  # both began the last round on one slot
     assert a.peer.round_slot % 0.5 == 0  # a multiple of the period then in force
+
+
+def test_a_peer_whose_download_outlasts_the_period_is_given_a_period_it_fits_in(pair, monkeypatch):
+    """A state download longer than the swarm's period lands behind the swarm every time (in a
+    4-peer run at 10 Mbit/s one peer chased it to the end and applied no round): the downloading
+    peer asks for a period its download fits in, every peer switches to it at the time the
+    request names, and once the peer has applied a round all switch back together."""
+    from atomtrain.peer import runtime
+
+    monkeypatch.setattr(runtime, "SWITCH_S", 3.0)  # a swarm's peers read records every 10 s
+    a, b = pair  # H auto since the test above
+    normal = a.peer.period_s
+
+    def in_force(d: Driver) -> float:  # after the reading its status thread does
+        d.peer._refresh_membership(declare=False)
+        return d.peer._period_now()
+
+    b.peer._download_s = 2 * normal  # as if its last download had taken two periods
+    with b.peer.lock:  # and it missed a round, as in the drifted-peer test
+        b.peer.round -= 1
+        b.peer.theta_sync.add_(0.05)
+        b.peer._sketch = b.peer.sketcher.of(b.peer.theta_sync)
+    steps_until([a, b], lambda: b.peer._resync is not None, limit_s=90)
+    asked = b.peer.catch_up_s
+    assert asked >= runtime.AUTO_MARGIN * 2 * normal and b.peer.catch_up_from > time.time()
+    # the swarm's period times a power of two: its slots are slots of the swarm's period too
+    factor = min(2 ** math.ceil(math.log2(asked / normal)), runtime.MAX_CATCH_UP_FACTOR)
+    assert in_force(a) == in_force(b) == normal  # not before the time it names
+    steps_until([a, b], lambda: in_force(a) == factor * normal)  # from b's status record
+    assert in_force(b) == factor * normal and a.peer.period_s == normal
+    steps_until([a, b], lambda: b.peer._resync is None)
+    caught_up = b.peer.round
+    steps_until([a, b], lambda: b.peer.round > caught_up, limit_s=90)  # a round, in sync
+    settle([a, b])
+    assert a.peer.round == b.peer.round and b.peer.catch_up_until > 0
+    steps_until([a, b], lambda: in_force(a) == in_force(b) == normal)
+    assert b.peer.catch_up_s == 0.0
 
 
 def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():

@@ -108,6 +108,9 @@ from the start, a churn test's joiner missed its first rounds)."""
 READ_EVERY_S = 10.0
 """How often a peer reads the swarm's records (who is live, certificates, revocations): each
 read brings every peer's record, so the swarm's reads grow as N^2 over this period."""
+SWITCH_S = READ_EVERY_S + 2 * PUBLISH_EVERY_S
+"""A catch-up period (CATCH_UP_ROUNDS) begins and ends this long after its peer says so: every
+live peer has read its record by then, so all switch at the same slot."""
 P2PD_STARTUP_S = 60.0
 """hivemind gives its p2p daemon 15 s to start; a loaded machine (or a small CPU quota) needs
 more."""
@@ -128,8 +131,9 @@ download fits in, until it has applied this many rounds: a download longer than 
 period lands a round or two behind, and the peer chased the swarm to the end of the run (4 peers
 at 10 Mbit/s: a 7 s download, a 3.5 s period; one peer re-synchronized 10 times and applied no
 round)."""
-MAX_CATCH_UP_FACTOR = 8.0
-"""A catch-up period is honoured up to this many times the swarm's period."""
+MAX_CATCH_UP_FACTOR = 8
+"""A catch-up period is the swarm's times a power of two (its slots are slots of the swarm's
+period too), at most this many times it."""
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
 (rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
@@ -210,7 +214,10 @@ class PeerRuntime:
         self._download_s = 0.0
         """How long this peer's last state download took."""
         self.catch_up_s = 0.0
-        """The period this peer asks for while it catches up (0: none)."""
+        """The period this peer asks for while it catches up (0: none)..."""
+        self.catch_up_from = 0.0
+        self.catch_up_until = 0.0
+        """...from and until these times (unix seconds; until 0: until further notice)."""
         self._catch_up_rounds = 0
         self._scheduled_period = 0.0
         self._rates = RateMeter()
@@ -841,7 +848,9 @@ class PeerRuntime:
         self.outcomes.append(True)
         if self._catch_up_rounds:
             self._catch_up_rounds -= 1
-            self.catch_up_s = self.catch_up_s if self._catch_up_rounds else 0.0
+            if not self._catch_up_rounds and self.catch_up_s and not self.catch_up_until:
+                # caught up: the swarm's period again, switched to by every peer at once
+                self.catch_up_until = max(time.time(), self.catch_up_from) + SWITCH_S
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
         if self.wire is not None:  # everything since the last round: its share of the link
@@ -900,20 +909,40 @@ class PeerRuntime:
         if self._step_s:  # H, for the status table: local steps a period holds
             self._proposal = self.sync_every = max(1, round(period / self._step_s))
 
-    def _catch_up_period(self) -> float:
-        """A period this peer's last download fits in, with a round (CATCH_UP_ROUNDS)."""
-        if self.cfg.fixed_sync_every:
-            return 0.0
+    def _ask_catch_up(self) -> None:
+        """Ask the swarm for a period this peer's last download fits in, with a round
+        (CATCH_UP_ROUNDS), from SWITCH_S on: every live peer has read the request by then."""
+        if self.cfg.fixed_sync_every or not self._download_s:
+            return
+        if self.catch_up_s and (not self.catch_up_until or time.time() < self.catch_up_until):
+            self.catch_up_until = 0.0  # asking still: the period stays what every peer took
+            return
         typical = statistics.median(self._round_times) if self._round_times else 0.0
         need = AUTO_MARGIN * (self._download_s + typical + self._step_s) + self._lead()
-        return _grain(min(need, MAX_PERIOD_S))
+        self.catch_up_s = _grain(min(need, MAX_PERIOD_S))
+        self.catch_up_from, self.catch_up_until = time.time() + SWITCH_S, 0.0
+        log.info(
+            "asking the swarm for rounds every %.1f s until this peer has caught up (its state "
+            "download took %.1f s, the period is %.1f s)",
+            self.catch_up_s,
+            self._download_s,
+            self.period_s,
+        )
 
     def _period_now(self) -> float:
-        """The period in force: the swarm's, or longer while a peer catches up after a state
-        download (the longest any live peer asks for, within MAX_CATCH_UP_FACTOR)."""
-        asked = max([self.catch_up_s, *(s.catch_up_s for s in self._known_others)])
-        honoured = min(asked, MAX_CATCH_UP_FACTOR * self.period_s, MAX_PERIOD_S)
-        return _grain(honoured) if honoured > self.period_s else self.period_s
+        """The period in force: the swarm's, or, while a peer catches up after a state download,
+        the swarm's times the power of two that covers the longest period asked for (slots then
+        stay slots of the swarm's period, for a peer that switches late)."""
+        now = time.time()
+        if self.catch_up_until and now >= self.catch_up_until:
+            self.catch_up_s = self.catch_up_from = self.catch_up_until = 0.0
+        requests = [(s.catch_up_s, s.catch_up_from, s.catch_up_until) for s in self._known_others]
+        requests.append((self.catch_up_s, self.catch_up_from, self.catch_up_until))
+        asked = [p for p, t0, t1 in requests if p > 0 and t0 <= now and (not t1 or now < t1)]
+        if not asked or not self.period_s or max(asked) <= self.period_s:
+            return self.period_s
+        factor = 2 ** math.ceil(math.log2(max(asked) / self.period_s))
+        return self.period_s * min(factor, MAX_CATCH_UP_FACTOR)
 
     # --- re-synchronization ----------------------------------------------------------------------
 
@@ -933,8 +962,7 @@ class PeerRuntime:
             self.cfg.state_timeout_s, self.state_sources(), wait=False
         )
         self._resync_began = time.perf_counter()
-        if self._download_s and not self.cfg.fixed_sync_every:  # as long as the last one took
-            self.catch_up_s = self._catch_up_period()
+        self._ask_catch_up()  # for a download as long as the last one
         self._resync_records = None
 
     def _poll_resync(self, record: dict[str, Any]) -> None:
@@ -971,7 +999,7 @@ class PeerRuntime:
         self._load(state[0], list(state[1]), mode="resync")
         record["resynchronized"] = True
         self._download_s = time.perf_counter() - self._resync_began
-        self.catch_up_s = max(self.catch_up_s, self._catch_up_period())
+        self._ask_catch_up()  # if it lands behind again, its next download fits
         self._catch_up_rounds = CATCH_UP_ROUNDS
         log.info("re-synchronized at round %d (parameters %s)", self.round, digest(self.theta_sync))
 
@@ -1038,6 +1066,8 @@ class PeerRuntime:
                 round_s=self.last_round_s,
                 period_s=self.period_s,
                 catch_up_s=self.catch_up_s,
+                catch_up_from=self.catch_up_from,
+                catch_up_until=self.catch_up_until,
                 init_digest=self.init_digest if self.round == 0 else "",
                 sent_bps=sent_bps,
                 received_bps=received_bps,
