@@ -131,6 +131,11 @@ download fits in, until it has applied this many rounds: a download longer than 
 period lands a round or two behind, and the peer chased the swarm to the end of the run (4 peers
 at 10 Mbit/s: a 7 s download, a 3.5 s period; one peer re-synchronized 10 times and applied no
 round)."""
+CATCH_UP_SPAN = 6
+"""A catch-up request lasts at most this many of the periods it asks for (a peer whose download
+or agreement keeps failing does not slow the swarm for good)..."""
+MAX_CATCH_UP_ASKS = 2
+"""...and a peer asks at most this many times before it has applied a round again."""
 MAX_CATCH_UP_FACTOR = 8
 """A catch-up period is the swarm's times a power of two (its slots are slots of the swarm's
 period too), at most this many times it."""
@@ -217,8 +222,9 @@ class PeerRuntime:
         """The period this peer asks for while it catches up (0: none)..."""
         self.catch_up_from = 0.0
         self.catch_up_until = 0.0
-        """...from and until these times (unix seconds; until 0: until further notice)."""
+        """...from and until these times (unix seconds)."""
         self._catch_up_rounds = 0
+        self._catch_up_asks = 0
         self._scheduled_period = 0.0
         self._rates = RateMeter()
         self._looking_since = 0.0
@@ -527,10 +533,14 @@ class PeerRuntime:
             return
         for _ in range(6):  # a fresh swarm may not have declared its state yet
             sources = download_sources(statuses, self.peer_id)
+            began = time.perf_counter()
             state = self.averager.download_state(self.cfg.state_timeout_s, sources)
             problem = self.checker.problem(state, min_round=swarm_round - 1)
             if problem is None:
                 self._load(state[0], list(state[1]), mode="replace")
+                # should the swarm have moved on meanwhile, the re-synchronization that follows
+                # asks for a period a download this long fits in
+                self._download_s = time.perf_counter() - began
                 log.info(
                     "joined at round %d with the swarm's parameters (parameters %s)",
                     self.round,
@@ -848,9 +858,11 @@ class PeerRuntime:
         self.outcomes.append(True)
         if self._catch_up_rounds:
             self._catch_up_rounds -= 1
-            if not self._catch_up_rounds and self.catch_up_s and not self.catch_up_until:
-                # caught up: the swarm's period again, switched to by every peer at once
-                self.catch_up_until = max(time.time(), self.catch_up_from) + SWITCH_S
+            if not self._catch_up_rounds:  # caught up: the swarm's period again, every peer
+                self._catch_up_asks = 0  # switching back at once
+                if self.catch_up_s:
+                    end = max(time.time(), self.catch_up_from) + SWITCH_S
+                    self.catch_up_until = min(self.catch_up_until, end)
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
         if self.wire is not None:  # everything since the last round: its share of the link
@@ -912,15 +924,19 @@ class PeerRuntime:
     def _ask_catch_up(self) -> None:
         """Ask the swarm for a period this peer's last download fits in, with a round
         (CATCH_UP_ROUNDS), from SWITCH_S on: every live peer has read the request by then."""
+        now = time.time()
         if self.cfg.fixed_sync_every or not self._download_s:
             return
-        if self.catch_up_s and (not self.catch_up_until or time.time() < self.catch_up_until):
-            self.catch_up_until = 0.0  # asking still: the period stays what every peer took
+        if self.catch_up_s and now < self.catch_up_until:
+            return  # asking still: the period stays what every peer took
+        if self._catch_up_asks >= MAX_CATCH_UP_ASKS:
             return
+        self._catch_up_asks += 1
         typical = statistics.median(self._round_times) if self._round_times else 0.0
         need = AUTO_MARGIN * (self._download_s + typical + self._step_s) + self._lead()
         self.catch_up_s = _grain(min(need, MAX_PERIOD_S))
-        self.catch_up_from, self.catch_up_until = time.time() + SWITCH_S, 0.0
+        self.catch_up_from = now + SWITCH_S
+        self.catch_up_until = self.catch_up_from + CATCH_UP_SPAN * self.catch_up_s
         log.info(
             "asking the swarm for rounds every %.1f s until this peer has caught up (its state "
             "download took %.1f s, the period is %.1f s)",
@@ -938,7 +954,7 @@ class PeerRuntime:
             self.catch_up_s = self.catch_up_from = self.catch_up_until = 0.0
         requests = [(s.catch_up_s, s.catch_up_from, s.catch_up_until) for s in self._known_others]
         requests.append((self.catch_up_s, self.catch_up_from, self.catch_up_until))
-        asked = [p for p, t0, t1 in requests if p > 0 and t0 <= now and (not t1 or now < t1)]
+        asked = [p for p, t0, t1 in requests if p > 0 and t0 <= now < t1]
         if not asked or not self.period_s or max(asked) <= self.period_s:
             return self.period_s
         factor = 2 ** math.ceil(math.log2(max(asked) / self.period_s))

@@ -45,8 +45,8 @@ class PeerStatus:
     starts takes the swarm's (the median of the live peers')."""
     catch_up_s: float = 0.0
     """While this peer catches up after downloading the swarm's state: the period it asks the
-    swarm for, one its download fits in (0: none), from and until these times (unix seconds;
-    until 0: until further notice)."""
+    swarm for, one its download fits in (0: none), from and until these times (unix
+    seconds)."""
     catch_up_from: float = 0.0
     catch_up_until: float = 0.0
     init_digest: str = ""
