@@ -131,14 +131,13 @@ download fits in, until it has applied this many rounds: a download longer than 
 period lands a round or two behind, and the peer chased the swarm to the end of the run (4 peers
 at 10 Mbit/s: a 7 s download, a 3.5 s period; one peer re-synchronized 10 times and applied no
 round)."""
-CATCH_UP_SPAN = 6
+CATCH_UP_SPAN = 4
 """A catch-up request lasts at most this many of the periods it asks for (a peer whose download
 or agreement keeps failing does not slow the swarm for good)..."""
 MAX_CATCH_UP_ASKS = 2
 """...and a peer asks at most this many times before it has applied a round again."""
 MAX_CATCH_UP_FACTOR = 8
-"""A catch-up period is the swarm's times a power of two (its slots are slots of the swarm's
-period too), at most this many times it."""
+"""A catch-up period is honoured up to this many times the period a peer holds."""
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
 (rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
@@ -947,8 +946,9 @@ class PeerRuntime:
 
     def _period_now(self) -> float:
         """The period in force: the swarm's, or, while a peer catches up after a state download,
-        the swarm's times the power of two that covers the longest period asked for (slots then
-        stay slots of the swarm's period, for a peer that switches late)."""
+        the longest period asked for: the same value on every peer, whatever period each held
+        (peers of groups that met apart can hold different ones: 3.5 and 4 s; a catch-up
+        period nested in each peer's own put them on different slots, and the groups split)."""
         now = time.time()
         if self.catch_up_until and now >= self.catch_up_until:
             self.catch_up_s = self.catch_up_from = self.catch_up_until = 0.0
@@ -957,8 +957,7 @@ class PeerRuntime:
         asked = [p for p, t0, t1 in requests if p > 0 and t0 <= now < t1]
         if not asked or not self.period_s or max(asked) <= self.period_s:
             return self.period_s
-        factor = 2 ** math.ceil(math.log2(max(asked) / self.period_s))
-        return self.period_s * min(factor, MAX_CATCH_UP_FACTOR)
+        return min(max(asked), MAX_CATCH_UP_FACTOR * self.period_s)
 
     # --- re-synchronization ----------------------------------------------------------------------
 
