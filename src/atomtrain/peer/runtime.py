@@ -667,7 +667,7 @@ class PeerRuntime:
             self.period_s = self._proposal_s = first_period(self._step_s, swarm)
         period = self._period_now()
         if not self._next_round_at or period != self._scheduled_period:
-            # the first slot, or a peer's catch-up began or ended: slots of the period in force
+            # the first slot, a new period, a catch-up begun or ended: slots of the one in force
             self._next_round_at = _next_slot(max(self.round_slot, now + self._lead()), period)
             self._scheduled_period = period
         if now + self._lead() < self._next_round_at:
@@ -911,7 +911,7 @@ class PeerRuntime:
         period = max(proposals, default=self.period_s)
         if period != self.period_s:
             self.period_s = period
-            self._next_round_at = _next_slot(time.time() + self._lead(), period)
+            self._scheduled_period = 0.0  # the next slot: of the period now in force (_slot_due)
         self._round_times.append(round_s)
         typical = statistics.median(self._round_times)  # one slow round does not stretch H
         # a period holds the round, the step its slot waits for, and the next round's matchmaking
