@@ -213,8 +213,8 @@ def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(p
 def test_a_peer_whose_download_outlasts_the_period_is_given_a_period_it_fits_in(pair, monkeypatch):
     """A state download longer than the swarm's period lands behind the swarm every time (in a
     4-peer run at 10 Mbit/s one peer chased it to the end and applied no round): the downloading
-    peer asks for a period its download fits in, every peer switches to it at the time the
-    request names, and once the peer has applied a round all switch back together."""
+    peer asks for a period its download fits in, every peer schedules its slots by it from the
+    time the request names, and once the peer has applied a round all switch back together."""
     from atomtrain.peer import runtime
 
     monkeypatch.setattr(runtime, "SWITCH_S", 3.0)  # a swarm's peers read records every 10 s
@@ -234,15 +234,20 @@ def test_a_peer_whose_download_outlasts_the_period_is_given_a_period_it_fits_in(
     asked = b.peer.catch_up_s
     assert asked >= runtime.AUTO_MARGIN * 2 * normal and b.peer.catch_up_from > time.time()
     want = min(asked, runtime.MAX_CATCH_UP_FACTOR * normal)  # the same value on every peer
-    assert in_force(a) == in_force(b) == normal  # not before the time it names
     steps_until([a, b], lambda: in_force(a) == want)  # from b's status record
-    assert in_force(b) == want and a.peer.period_s == normal
+    assert in_force(b) == want
+    # a schedules its next slot by it: a whole multiple of the period asked for
+    steps_until([a, b], lambda: a.peer._scheduled_period == want)
+    assert a.peer._next_round_at / want == round(a.peer._next_round_at / want)
     steps_until([a, b], lambda: b.peer._resync is None)
     caught_up = b.peer.round
     steps_until([a, b], lambda: b.peer.round > caught_up, limit_s=90)  # a round, in sync
+    applied_at = time.time()
     settle([a, b])
-    assert a.peer.round == b.peer.round and b.peer.catch_up_until > 0
-    steps_until([a, b], lambda: in_force(a) == in_force(b) == normal)
+    assert a.peer.round == b.peer.round
+    # the request ends SWITCH_S after the round, not at the end of the span it first named
+    assert 0 < b.peer.catch_up_until <= max(applied_at, b.peer.catch_up_from) + 3.0
+    steps_until([a, b], lambda: in_force(a) == a.peer.period_s and in_force(b) == b.peer.period_s)
     assert b.peer.catch_up_s == 0.0
 
 

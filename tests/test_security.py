@@ -341,12 +341,12 @@ def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():
         avg._pending_groups_registered = asyncio.Event()
         avg._pending_groups_registered.set()
 
-        async def part(weight: float):
-            yield averaging_pb2.AveragingData(group_id=b"g", weight=weight)
+        async def part(weight: float, group: bytes):
+            yield averaging_pb2.AveragingData(group_id=group, weight=weight)
 
-        async def served(weight: float) -> list[int]:
+        async def served(weight: float, group: bytes = b"g") -> list[int]:
             sender = SimpleNamespace(remote_id="member")
-            return [m.code async for m in avg.rpc_aggregate_part(part(weight), sender)]
+            return [m.code async for m in avg.rpc_aggregate_part(part(weight, group), sender)]
 
         early = asyncio.create_task(served(1.0))
         await asyncio.sleep(0.05)
@@ -354,9 +354,17 @@ def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():
         with pytest.raises(asyncio.CancelledError):
             await early
         avg._running_groups[b"g"].set_result(Runner())  # InvalidStateError when cancelled
-        return await asyncio.wait_for(served(2.0), 5)
+        codes = await asyncio.wait_for(served(2.0), 5)
+        assert avg._traffic.totals()[1] > 0  # the part read before the wait is counted
+        # a group this member will not run (its metadata check failed): a part waiting for it
+        # is answered at once (_aggregate_with_group cancels the group's start)
+        avg._running_groups[b"h"] = asyncio.Future()
+        waiting = asyncio.create_task(served(3.0, b"h"))
+        await asyncio.sleep(0.05)
+        avg._running_groups[b"h"].cancel()
+        return codes + await asyncio.wait_for(waiting, 5)
 
-    assert asyncio.run(scenario()) == [averaging_pb2.AVERAGED_PART]
+    assert asyncio.run(scenario()) == [averaging_pb2.AVERAGED_PART, averaging_pb2.BAD_GROUP_ID]
 
 
 def test_every_member_weighs_the_same_whatever_it_claims():

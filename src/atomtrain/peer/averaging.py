@@ -518,7 +518,9 @@ class GuardedAverager(DecentralizedAverager):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         first = await anext(stream)
-        await self._group_started(first.group_id)
+        if not await self._group_started(first.group_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
         # the reducer's side of this member's traffic: parts in, averages out
         async for message in super().rpc_aggregate_part(
             self._traffic.count(RECEIVED, achain(as_aiter(first), stream)), context
@@ -526,17 +528,25 @@ class GuardedAverager(DecentralizedAverager):
             self._traffic.add(SENT, message)
             yield message
 
-    async def _group_started(self, group_id: bytes) -> None:
-        """Wait until this member runs the group's all-reduce (or never will), shielded:
-        hivemind's handler awaits the group's future itself, and a sender that gives up its
-        request (a member whose round failed, or one that hangs up on purpose) cancels the task
-        and with it that future, for the whole group. This member then could not start its
-        all-reduce at all, and the honest members it left waiting would exclude it as a staller."""
+    async def _group_started(self, group_id: bytes) -> bool:
+        """Wait until this member runs the group's all-reduce (or never will:
+        _aggregate_with_group cancels it), shielded: hivemind's handler awaits the group's
+        future itself, and a sender that gives up its request (a member whose round failed, or
+        one that hangs up on purpose) cancelled the task and with it that future. This member
+        then could not start its all-reduce at all, and the honest members it left waiting
+        excluded it as a staller. False: it will not run it."""
         if group_id not in self._running_groups:
             await self._pending_groups_registered.wait()  # as hivemind's handler does
         started = self._running_groups.get(group_id)
-        if started is not None:
+        if started is None:
+            return True  # an unknown group: hivemind's handler answers that
+        try:
             await asyncio.shield(started)
+        except asyncio.CancelledError:
+            if not started.cancelled():
+                raise  # this request itself was cancelled: its sender hung up
+            return False
+        return True
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -658,11 +668,16 @@ class GuardedAverager(DecentralizedAverager):
     # --- robust all-reduce ------------------------------------------------------------------
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
-        group_info = await self._checked(group_info)
-        if any(p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids):
-            # take part for the others; apply nothing (module docstring)
-            self._discard.value = self._discard.value or BANNED
-        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        try:
+            group_info = await self._checked(group_info)
+            if any(p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids):
+                # take part for the others; apply nothing (module docstring)
+                self._discard.value = self._discard.value or BANNED
+            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            started = self._running_groups.get(group_info.group_id)
+            if started is not None and not started.done():
+                started.cancel()  # this member will not run it: parts waiting for it end now
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         for tensor, original in zip(tensors, self._inputs, strict=True):

@@ -137,7 +137,7 @@ or agreement keeps failing does not slow the swarm for good)..."""
 MAX_CATCH_UP_ASKS = 2
 """...and a peer asks at most this many times before it has applied a round again."""
 MAX_CATCH_UP_FACTOR = 8
-"""A catch-up period is honoured up to this many times the period a peer holds."""
+"""A catch-up period is honoured up to this many times the period its requester holds."""
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
 (rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
@@ -924,14 +924,16 @@ class PeerRuntime:
         """Ask the swarm for a period this peer's last download fits in, with a round
         (CATCH_UP_ROUNDS), from SWITCH_S on: every live peer has read the request by then."""
         now = time.time()
-        if self.cfg.fixed_sync_every or not self._download_s:
+        if self.cfg.fixed_sync_every or not self._download_s or self.finisher.finishing:
             return
         if self.catch_up_s and now < self.catch_up_until:
             return  # asking still: the period stays what every peer took
+        typical = statistics.median(self._round_times) if self._round_times else 0.0
+        if self._download_s + typical <= self.period_s:
+            return  # the download fits in a period as it is
         if self._catch_up_asks >= MAX_CATCH_UP_ASKS:
             return
         self._catch_up_asks += 1
-        typical = statistics.median(self._round_times) if self._round_times else 0.0
         need = AUTO_MARGIN * (self._download_s + typical + self._step_s) + self._lead()
         self.catch_up_s = _grain(min(need, MAX_PERIOD_S))
         self.catch_up_from = now + SWITCH_S
@@ -948,16 +950,24 @@ class PeerRuntime:
         """The period in force: the swarm's, or, while a peer catches up after a state download,
         the longest period asked for: the same value on every peer, whatever period each held
         (peers of groups that met apart can hold different ones: 3.5 and 4 s; a catch-up
-        period nested in each peer's own put them on different slots, and the groups split)."""
+        period nested in each peer's own put them on different slots, and the groups split).
+        Only requests an honest peer makes count (within MAX_CATCH_UP_FACTOR of the requester's
+        own period, for at most CATCH_UP_SPAN of them), and none from a peer this one rejected."""
         now = time.time()
         if self.catch_up_until and now >= self.catch_up_until:
             self.catch_up_s = self.catch_up_from = self.catch_up_until = 0.0
-        requests = [(s.catch_up_s, s.catch_up_from, s.catch_up_until) for s in self._known_others]
-        requests.append((self.catch_up_s, self.catch_up_from, self.catch_up_until))
-        asked = [p for p, t0, t1 in requests if p > 0 and t0 <= now < t1]
-        if not asked or not self.period_s or max(asked) <= self.period_s:
-            return self.period_s
-        return min(max(asked), MAX_CATCH_UP_FACTOR * self.period_s)
+        requests = [
+            (s.catch_up_s, s.catch_up_from, s.catch_up_until, s.period_s)
+            for s in self._known_others
+            if s.peer_id not in self.rejected
+        ]
+        requests.append((self.catch_up_s, self.catch_up_from, self.catch_up_until, self.period_s))
+        asked = [
+            min(p, MAX_CATCH_UP_FACTOR * own)
+            for p, t0, t1, own in requests
+            if p > 0 and t0 <= now < t1 and t1 - t0 <= CATCH_UP_SPAN * p + 1e-6
+        ]
+        return max(asked) if asked and self.period_s else self.period_s
 
     # --- re-synchronization ----------------------------------------------------------------------
 
