@@ -218,6 +218,7 @@ def test_a_peer_whose_download_outlasts_the_period_is_given_a_period_it_fits_in(
     from atomtrain.peer import runtime
 
     monkeypatch.setattr(runtime, "SWITCH_S", 3.0)  # a swarm's peers read records every 10 s
+    monkeypatch.setattr(runtime, "CATCH_UP_SPAN", 100)  # the request ends when b catches up
     a, b = pair  # H auto since the test above
     normal = a.peer.period_s
 
@@ -240,13 +241,19 @@ def test_a_peer_whose_download_outlasts_the_period_is_given_a_period_it_fits_in(
     steps_until([a, b], lambda: a.peer._scheduled_period == want)
     assert a.peer._next_round_at / want == round(a.peer._next_round_at / want)
     steps_until([a, b], lambda: b.peer._resync is None)
-    caught_up = b.peer.round
-    steps_until([a, b], lambda: b.peer.round > caught_up, limit_s=90)  # a round, in sync
-    applied_at = time.time()
+    caught_up, ends = b.peer.round, []
+
+    def applied() -> bool:  # a round, in sync: the request's end as it was then set
+        if b.peer.round > caught_up:
+            ends.append((b.peer.catch_up_until, b.peer.catch_up_from, time.time()))
+        return bool(ends)
+
+    steps_until([a, b], applied, limit_s=90)
+    until, since, applied_at = ends[0]
+    # it ends SWITCH_S after that round, not at the end of the span it first named
+    assert 0 < until <= max(applied_at, since) + 3.0
     settle([a, b])
     assert a.peer.round == b.peer.round
-    # the request ends SWITCH_S after the round, not at the end of the span it first named
-    assert 0 < b.peer.catch_up_until <= max(applied_at, b.peer.catch_up_from) + 3.0
     steps_until([a, b], lambda: in_force(a) == a.peer.period_s and in_force(b) == b.peer.period_s)
     assert b.peer.catch_up_s == 0.0
 
