@@ -210,45 +210,6 @@ def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(p
     assert a.peer.round_slot % 0.5 == 0  # a multiple of the period then in force
 
 
-def test_a_peer_whose_download_outlasts_the_period_is_given_a_period_it_fits_in(pair, monkeypatch):
-    """A state download longer than the swarm's period lands behind the swarm every time (in a
-    4-peer run at 10 Mbit/s one peer chased it to the end and applied no round): the downloading
-    peer asks for a period its download fits in, every peer schedules its slots by it from the
-    time the request names, and once the peer has applied a round all switch back together."""
-    from atomtrain.peer import runtime
-
-    monkeypatch.setattr(runtime, "SWITCH_S", 3.0)  # a swarm's peers read records every 10 s
-    monkeypatch.setattr(runtime, "CATCH_UP_SPAN", 100)  # the request ends when b catches up
-    a, b = pair  # H auto since the test above
-    normal = a.peer.period_s
-
-    def in_force(d: Driver) -> float:  # after the reading its status thread does
-        d.peer._refresh_membership(declare=False)
-        return d.peer._period_now()
-
-    b.peer._download_s = 2 * normal  # as if its last download had taken two periods
-    with b.peer.lock:  # and it missed a round, as in the drifted-peer test
-        b.peer.round -= 1
-        b.peer.theta_sync.add_(0.05)
-        b.peer._sketch = b.peer.sketcher.of(b.peer.theta_sync)
-    steps_until([a, b], lambda: b.peer._resync is not None, limit_s=90)
-    asked = b.peer.catch_up_s
-    assert asked >= runtime.AUTO_MARGIN * 2 * normal and b.peer.catch_up_from > time.time()
-    want = min(asked, runtime.MAX_CATCH_UP_FACTOR * normal)  # the same value on every peer
-    steps_until([a, b], lambda: in_force(a) == want)  # from b's status record
-    assert in_force(b) == want
-    # a schedules its next slot by it: a whole multiple of the period asked for
-    steps_until([a, b], lambda: a.peer._scheduled_period == want)
-    assert a.peer._next_round_at / want == round(a.peer._next_round_at / want)
-    steps_until([a, b], lambda: b.peer._resync is None)
-    steps_until([a, b], lambda: b.peer._catch_up_rounds == 0, limit_s=90)  # a round, in sync
-    settle([a, b])
-    assert a.peer.round == b.peer.round
-    # the request ends SWITCH_S after that round (the span it named would last minutes)
-    steps_until([a, b], lambda: in_force(a) == a.peer.period_s and in_force(b) == b.peer.period_s)
-    assert b.peer.catch_up_s == 0.0
-
-
 def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():
     from atomtrain.peer.runtime import _grain, _next_slot
 

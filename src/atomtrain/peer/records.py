@@ -51,9 +51,6 @@ class StatusRecord(pydantic.BaseModel):
     sync_every: pydantic.conint(strict=True, ge=0)  # type: ignore[valid-type]
     round_s: Number
     period_s: Number = 0.0
-    catch_up_s: Number = 0.0
-    catch_up_from: Number = 0.0
-    catch_up_until: Number = 0.0
     init_digest: pydantic.constr(strict=True, max_length=64)  # type: ignore[valid-type]
     sent_bps: Number
     received_bps: Number

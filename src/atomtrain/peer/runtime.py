@@ -108,9 +108,6 @@ from the start, a churn test's joiner missed its first rounds)."""
 READ_EVERY_S = 10.0
 """How often a peer reads the swarm's records (who is live, certificates, revocations): each
 read brings every peer's record, so the swarm's reads grow as N^2 over this period."""
-SWITCH_S = READ_EVERY_S + 2 * PUBLISH_EVERY_S
-"""A catch-up period (CATCH_UP_ROUNDS) begins and ends this long after its peer says so: every
-live peer has read its record by then, so all switch at the same slot."""
 P2PD_STARTUP_S = 60.0
 """hivemind gives its p2p daemon 15 s to start; a loaded machine (or a small CPU quota) needs
 more."""
@@ -125,19 +122,6 @@ PERIOD_GRAIN_S = 0.5
 SLOT_MARGIN_S = 0.25
 """A round that could look for its group only this long before its slot takes the next slot."""
 MAX_PERIOD_S = 3600.0
-CATCH_UP_ROUNDS = 1
-"""A peer that downloads the swarm's state asks the swarm (in its status record) for a period its
-download fits in, until it has applied this many rounds: a download longer than the swarm's
-period lands a round or two behind, and the peer chased the swarm to the end of the run (4 peers
-at 10 Mbit/s: a 7 s download, a 3.5 s period; one peer re-synchronized 10 times and applied no
-round)."""
-CATCH_UP_SPAN = 4
-"""A catch-up request lasts at most this many of the periods it asks for (a peer whose download
-or agreement keeps failing does not slow the swarm for good)..."""
-MAX_CATCH_UP_ASKS = 2
-"""...and a peer asks at most this many times before it has applied a round again."""
-MAX_CATCH_UP_FACTOR = 8
-"""A catch-up period is honoured up to this many times the period its requester holds."""
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
 (rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
@@ -214,17 +198,6 @@ class PeerRuntime:
         self.last_matchmaking_s = 0.0
         self.outcomes: deque[bool] = deque(maxlen=20)  # applied or not, of the last rounds
         self._round_times: deque[float] = deque(maxlen=5)
-        self._resync_began = 0.0
-        self._download_s = 0.0
-        """How long this peer's last state download took."""
-        self.catch_up_s = 0.0
-        """The period this peer asks for while it catches up (0: none)..."""
-        self.catch_up_from = 0.0
-        self.catch_up_until = 0.0
-        """...from and until these times (unix seconds)."""
-        self._catch_up_rounds = 0
-        self._catch_up_asks = 0
-        self._scheduled_period = 0.0
         self._rates = RateMeter()
         self._looking_since = 0.0
         self._group_found_at = 0.0
@@ -532,14 +505,10 @@ class PeerRuntime:
             return
         for _ in range(6):  # a fresh swarm may not have declared its state yet
             sources = download_sources(statuses, self.peer_id)
-            began = time.perf_counter()
             state = self.averager.download_state(self.cfg.state_timeout_s, sources)
             problem = self.checker.problem(state, min_round=swarm_round - 1)
             if problem is None:
                 self._load(state[0], list(state[1]), mode="replace")
-                # should the swarm have moved on meanwhile, the re-synchronization that follows
-                # asks for a period a download this long fits in
-                self._download_s = time.perf_counter() - began
                 log.info(
                     "joined at round %d with the swarm's parameters (parameters %s)",
                     self.round,
@@ -665,16 +634,13 @@ class PeerRuntime:
                 return False
             swarm = [s.period_s for s in self._known_others]
             self.period_s = self._proposal_s = first_period(self._step_s, swarm)
-        period = self._period_now()
-        if not self._next_round_at or period != self._scheduled_period:
-            # the first slot, a new period, a catch-up begun or ended: slots of the one in force
-            self._next_round_at = _next_slot(max(self.round_slot, now + self._lead()), period)
-            self._scheduled_period = period
+        if not self._next_round_at:
+            self._next_round_at = _next_slot(now + self._lead(), self.period_s)
         if now + self._lead() < self._next_round_at:
             return False
         if self._prematched() and now + SLOT_MARGIN_S > self._next_round_at:
             # too late to find a group for this slot: the next one
-            self._next_round_at = _next_slot(now + self._lead(), period)
+            self._next_round_at = _next_slot(now + self._lead(), self.period_s)
             return False
         return True
 
@@ -761,10 +727,7 @@ class PeerRuntime:
         self._round_steps = self.steps_since_round
         self._round_tokens = self.round_tokens
         if self.period_s:  # the next slot on the shared clock, after this round's
-            self._scheduled_period = self._period_now()
-            self._next_round_at = _next_slot(
-                max(self.round_slot, time.time()), self._scheduled_period
-            )
+            self._next_round_at = _next_slot(max(self.round_slot, time.time()), self.period_s)
         if self.cfg.sync_mode == "async" and not self._final:
             self._shift(OWN_SHARE)
 
@@ -855,13 +818,6 @@ class PeerRuntime:
         self.last_sync = time.time()
         self.last_round_s = round_s
         self.outcomes.append(True)
-        if self._catch_up_rounds:
-            self._catch_up_rounds -= 1
-            if not self._catch_up_rounds:  # caught up: the swarm's period again, every peer
-                self._catch_up_asks = 0  # switching back at once
-                if self.catch_up_s:
-                    end = max(time.time(), self.catch_up_from) + SWITCH_S
-                    self.catch_up_until = min(self.catch_up_until, end)
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
         if self.wire is not None:  # everything since the last round: its share of the link
@@ -911,7 +867,7 @@ class PeerRuntime:
         period = max(proposals, default=self.period_s)
         if period != self.period_s:
             self.period_s = period
-            self._scheduled_period = 0.0  # the next slot: of the period now in force (_slot_due)
+            self._next_round_at = _next_slot(time.time() + self._lead(), period)
         self._round_times.append(round_s)
         typical = statistics.median(self._round_times)  # one slow round does not stretch H
         # a period holds the round, the step its slot waits for, and the next round's matchmaking
@@ -919,55 +875,6 @@ class PeerRuntime:
         self._proposal_s = _grain(min(max(need, lo), hi, MAX_PERIOD_S))
         if self._step_s:  # H, for the status table: local steps a period holds
             self._proposal = self.sync_every = max(1, round(period / self._step_s))
-
-    def _ask_catch_up(self) -> None:
-        """Ask the swarm for a period this peer's last download fits in, with a round
-        (CATCH_UP_ROUNDS), from SWITCH_S on: every live peer has read the request by then."""
-        now = time.time()
-        if self.cfg.fixed_sync_every or not self._download_s or self.finisher.finishing:
-            return
-        if self.catch_up_s and now < self.catch_up_until:
-            return  # asking still: the period stays what every peer took
-        typical = statistics.median(self._round_times) if self._round_times else 0.0
-        if self._download_s + typical <= self.period_s:
-            return  # the download fits in a period as it is
-        if self._catch_up_asks >= MAX_CATCH_UP_ASKS:
-            return
-        self._catch_up_asks += 1
-        need = AUTO_MARGIN * (self._download_s + typical + self._step_s) + self._lead()
-        self.catch_up_s = _grain(min(need, MAX_PERIOD_S))
-        self.catch_up_from = now + SWITCH_S
-        self.catch_up_until = self.catch_up_from + CATCH_UP_SPAN * self.catch_up_s
-        log.info(
-            "asking the swarm for rounds every %.1f s until this peer has caught up (its state "
-            "download took %.1f s, the period is %.1f s)",
-            self.catch_up_s,
-            self._download_s,
-            self.period_s,
-        )
-
-    def _period_now(self) -> float:
-        """The period in force: the swarm's, or, while a peer catches up after a state download,
-        the longest period asked for: the same value on every peer, whatever period each held
-        (peers of groups that met apart can hold different ones: 3.5 and 4 s; a catch-up
-        period nested in each peer's own put them on different slots, and the groups split).
-        Only requests an honest peer makes count (within MAX_CATCH_UP_FACTOR of the requester's
-        own period, for at most CATCH_UP_SPAN of them), and none from a peer this one rejected."""
-        now = time.time()
-        if self.catch_up_until and now >= self.catch_up_until:
-            self.catch_up_s = self.catch_up_from = self.catch_up_until = 0.0
-        requests = [
-            (s.catch_up_s, s.catch_up_from, s.catch_up_until, s.period_s)
-            for s in self._known_others
-            if s.peer_id not in self.rejected
-        ]
-        requests.append((self.catch_up_s, self.catch_up_from, self.catch_up_until, self.period_s))
-        asked = [
-            min(p, MAX_CATCH_UP_FACTOR * own)
-            for p, t0, t1, own in requests
-            if p > 0 and t0 <= now < t1 and t1 - t0 <= CATCH_UP_SPAN * p + 1e-6
-        ]
-        return max(asked) if asked and self.period_s else self.period_s
 
     # --- re-synchronization ----------------------------------------------------------------------
 
@@ -986,8 +893,6 @@ class PeerRuntime:
         self._resync = self.averager.download_state(
             self.cfg.state_timeout_s, self.state_sources(), wait=False
         )
-        self._resync_began = time.perf_counter()
-        self._ask_catch_up()  # for a download as long as the last one
         self._resync_records = None
 
     def _poll_resync(self, record: dict[str, Any]) -> None:
@@ -1023,9 +928,6 @@ class PeerRuntime:
             return
         self._load(state[0], list(state[1]), mode="resync")
         record["resynchronized"] = True
-        self._download_s = time.perf_counter() - self._resync_began
-        self._ask_catch_up()  # if it lands behind again, its next download fits
-        self._catch_up_rounds = CATCH_UP_ROUNDS
         log.info("re-synchronized at round %d (parameters %s)", self.round, digest(self.theta_sync))
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -1090,9 +992,6 @@ class PeerRuntime:
                 sync_every=self.sync_every,
                 round_s=self.last_round_s,
                 period_s=self.period_s,
-                catch_up_s=self.catch_up_s,
-                catch_up_from=self.catch_up_from,
-                catch_up_until=self.catch_up_until,
                 init_digest=self.init_digest if self.round == 0 else "",
                 sent_bps=sent_bps,
                 received_bps=received_bps,

@@ -43,12 +43,6 @@ class PeerStatus:
     period_s: float = 0.0
     """With H auto: seconds between this peer's round slots now (0: none yet); a peer that
     starts takes the swarm's (the median of the live peers')."""
-    catch_up_s: float = 0.0
-    """While this peer catches up after downloading the swarm's state: the period it asks the
-    swarm for, one its download fits in (0: none), from and until these times (unix
-    seconds)."""
-    catch_up_from: float = 0.0
-    catch_up_until: float = 0.0
     init_digest: str = ""
     """While at round 0: a digest of the initial parameters (joiners that built the same ones
     from the shared seed need no download)."""
@@ -91,9 +85,6 @@ class PeerStatus:
                 sync_every=int(value.get("sync_every", 0)),
                 round_s=float(value.get("round_s", 0.0)),
                 period_s=_nonnegative(value.get("period_s", 0.0)),
-                catch_up_s=_nonnegative(value.get("catch_up_s", 0.0)),
-                catch_up_from=_nonnegative(value.get("catch_up_from", 0.0)),
-                catch_up_until=_nonnegative(value.get("catch_up_until", 0.0)),
                 init_digest=str(value.get("init_digest", ""))[:64],
                 sent_bps=_nonnegative(value.get("sent_bps", 0.0)),
                 received_bps=_nonnegative(value.get("received_bps", 0.0)),
