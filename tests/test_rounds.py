@@ -3,6 +3,8 @@ and averager processes), trained by hand so every outcome is deterministic to ch
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from pathlib import Path
 
@@ -162,15 +164,21 @@ def test_a_peer_stalled_mid_round_never_holds_up_the_others_steps(pair):
 
 def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(pair):
     a, b = pair
+    for d in (a, b):  # from here on plain averaging (outer momentum 0): no momentum is kept
+        d.peer.cfg = dataclasses.replace(d.peer.cfg, outer_momentum=0.0)
+        with d.peer.lock:
+            d.peer.outer.buf.zero_()
     start_round = max(a.peer.round, b.peer.round)
     steps_until([a, b], lambda: min(a.peer.round, b.peer.round) >= start_round + 1)
     settle([a, b])
+    assert not a.peer.outer.buf.any()  # the rounds since kept none
     served, received = a.peer.averager.traffic.totals()[0], b.peer.averager.traffic.totals()[1]
     # b as if it had missed a round: one outer step fewer, its synchronized parameters elsewhere
     with b.peer.lock:
         b.peer.round -= 1
         b.peer.theta_sync.add_(0.05)
         b.peer._sketch = b.peer.sketcher.of(b.peer.theta_sync)
+        b.peer.outer.buf.normal_()
     before, a_round, a_failed = b.peer.round, a.peer.round, a.peer.failed_rounds
     steps_until([a, b], lambda: b.peer._resync is not None or b.peer.round > before + 1)
     assert b.peer._resync is not None, "b did not find itself out of sync"
@@ -179,13 +187,15 @@ def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(
     # it held, which b's download could not have been checked against): b took a's round
     assert a.peer.round == a_round and a.peer.failed_rounds > a_failed
     assert b.peer.round == a_round
-    # the download is counted on both sides: synchronized parameters and momentum, float32 (and
-    # the round that found b out of sync, about 2 bytes a parameter each way)
-    state = 8 * b.peer.numel
+    assert not b.peer.outer.buf.any()  # a's momentum, which a named rather than sent
+    # the download is counted on both sides: synchronized parameters, float32, and no momentum
+    # (and the round that found b out of sync, about 2 bytes a parameter each way)
+    state = 4 * b.peer.numel
     got = b.peer.averager.traffic.totals()[1] - received
     sent = a.peer.averager.traffic.totals()[0] - served
-    assert state <= got <= 1.5 * state
-    assert state <= sent <= 1.5 * state
+    round_bytes = 3 * b.peer.numel  # at most: 2 bytes a parameter and framing
+    assert state <= got <= state + round_bytes < 8 * b.peer.numel  # less than with momentum
+    assert state <= sent <= state + round_bytes
     # from then on b takes part again: the next rounds find both in sync, at the same round
     target = a.peer.round + 2
     steps_until([a, b], lambda: a.peer.round >= target and b.peer.round >= target)
@@ -196,7 +206,6 @@ def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(
 
 
 def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(pair):
-    import dataclasses
 
     a, b = pair
     for d in (a, b):  # the pair so far ran with H fixed; now as `auto` runs
@@ -205,15 +214,27 @@ def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(p
     steps_until([a, b], lambda: a.peer.round >= start + 3 and b.peer.round >= start + 3, limit_s=90)
     settle([a, b])
     assert a.peer.period_s == b.peer.period_s > 0  # the group's choice
-    assert a.peer.period_s % 0.5 == 0
+    assert math.log2(a.peer.period_s / 0.5).is_integer()  # on the period ladder
     assert a.peer.round_slot == b.peer.round_slot  # both began the last round on one slot
     assert a.peer.round_slot % 0.5 == 0  # a multiple of the period then in force
 
 
 def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():
-    from atomtrain.peer.runtime import _grain, _next_slot
+    from atomtrain.peer.runtime import _next_slot, on_ladder
 
-    assert _grain(0.01) == 0.5 and _grain(1.0) == 1.0 and _grain(1.01) == 1.5
+    assert [on_ladder(s) for s in (0.01, 0.5, 1.0, 1.01, 3.5, 4.0, 4.1)] == [
+        0.5,
+        0.5,
+        1.0,
+        2.0,
+        4.0,
+        4.0,
+        8.0,
+    ]
+    # capped by the longest period allowed: the longest rung within it, never below 0.5 s
+    assert on_ladder(10.0, below=7.0) == 4.0 and on_ladder(10.0, below=0.1) == 0.5
+    # any two rungs nest: every slot of the longer period is a slot of the shorter
+    assert all(on_ladder(b) % on_ladder(a) == 0 for a in (0.3, 1.7, 3.2) for b in (3.3, 9.0))
     assert _next_slot(100.2, 2.5) == 102.5 and _next_slot(102.5, 2.5) == 105.0
 
 
@@ -233,7 +254,8 @@ def test_a_starting_peer_takes_the_swarms_period_or_a_power_of_two_that_nests():
     assert first_period(0.21, []) % first_period(0.12, []) == 0
     # joining a running swarm: the median of the live peers' periods (none yet: 0 is ignored;
     # one peer claiming an hour does not set it)
-    assert first_period(0.12, [3.5, 0.0, 3.5, 3600.0]) == 3.5
+    assert first_period(0.12, [4.0, 0.0, 4.0, 3600.0]) == 4.0
+    assert first_period(0.12, [3.5]) == 4.0  # a published period off the ladder: its rung
     assert first_period(0.12, [0.0, 0.0]) == 2.0
 
 

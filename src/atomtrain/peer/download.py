@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -18,6 +19,10 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
 log = logging.getLogger(__name__)
+
+ZERO_MOMENTUM = "zero"
+"""A state's metadata says `"momentum": ZERO_MOMENTUM` when its server left out an outer
+momentum of zeros; the receiver puts the zeros back before any check (state.py)."""
 
 
 async def download_from(
@@ -53,8 +58,21 @@ async def download_from(
             if parts:
                 tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
             if metadata:
-                return metadata, tensors
+                return metadata, with_momentum(metadata, tensors)
             log.debug("peer %s did not send its state", source)
         except Exception as e:
             log.debug("no state from %s: %s", source, e)
     return None
+
+
+def with_momentum(metadata: Any, tensors: list[Any]) -> list[Any]:
+    """The state's tensors with a left-out momentum of zeros put back (anything else as sent,
+    for state.py to check)."""
+    if (
+        isinstance(metadata, dict)
+        and metadata.get("momentum") == ZERO_MOMENTUM
+        and len(tensors) == 1
+        and isinstance(tensors[0], torch.Tensor)
+    ):
+        return [tensors[0], torch.zeros_like(tensors[0])]
+    return tensors

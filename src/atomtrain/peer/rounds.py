@@ -126,8 +126,10 @@ def apply_outer_step(
             continue
         m = momentum[sl]
         taken = own_share_step(own, m, lr, mu, share) if share > 0 else own.float()
-        m.mul_(mu).add_(a)
-        step = a.add_(m, alpha=mu).mul_(lr)  # a is a fresh float32 copy: reuse it
+        if mu:  # plain averaging (mu 0) keeps no momentum: the buffer stays zeros
+            m.mul_(mu).add_(a)
+            a.add_(m, alpha=mu)
+        step = a.mul_(lr)  # a is a fresh float32 copy: reuse it
         theta[sl].sub_(step)
         x.add_((taken - step).to(x))
 

@@ -15,11 +15,12 @@ background and moves to it, keeping its local progress.
 
 H is `peer.sync_every`, or with `auto`, rounds start on a clock every peer shares: round slots
 at whole multiples of a period (unix time), the period chosen from the measured round time so a
-round finishes within the next one; members of a round all take the group's largest proposal,
-so every peer looks for its group at the same moment and groups do not split into parts that
-drift apart. Such a round looks for its group `matchmaking_s` before its slot (telling the group
-the contribution it will have by then) and writes its contribution at the slot, so matchmaking
-is not part of the round's latency: the all-reduce begins as the contribution is written.
+round finishes within the next one, and rounded up to 0.5 s times a power of two; members of a
+round all take the group's largest proposal, so every peer looks for its group at the same
+moment, and groups that split hold periods whose slots nest, so they meet again. Such a round
+looks for its group `matchmaking_s` before its slot (telling the group the contribution it will
+have by then) and writes its contribution at the slot, so matchmaking is not part of the round's
+latency: the all-reduce begins as the contribution is written.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from atomtrain.peer.auth import (
     read_roster,
 )
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed, RoundResult
+from atomtrain.peer.download import ZERO_MOMENTUM
 from atomtrain.peer.finish import Finisher
 from atomtrain.peer.hygiene import start_watchdog
 from atomtrain.peer.layout import Sketcher, assign, cut_pieces, digest, flatten
@@ -113,12 +115,14 @@ P2PD_STARTUP_S = 60.0
 more."""
 FIRST_SYNC_EVERY = 10
 """With H auto, the first period is this many steps' time (nothing measured yet), rounded up to
-PERIOD_GRAIN_S so peers of about the same speed propose the same."""
+the period ladder so peers of about the same speed propose the same."""
 AUTO_MARGIN = 1.25
 """With H auto, the period is this many times the typical round time and a step, plus the time a
 round looks for its group before its slot."""
 PERIOD_GRAIN_S = 0.5
-"""Periods are whole multiples of this: proposals of peers alike are equal."""
+"""Periods are this times a power of two (the period ladder): proposals of peers alike are
+equal, and of two periods the longer's slots are all slots of the shorter, so groups that hold
+different periods still meet (at every slot of the longer)."""
 SLOT_MARGIN_S = 0.25
 """A round that could look for its group only this long before its slot takes the next slot."""
 MAX_PERIOD_S = 3600.0
@@ -535,11 +539,15 @@ class PeerRuntime:
             time.sleep(0.25)
 
     def _shared_state(self) -> tuple[dict, list[torch.Tensor]]:
-        """What a joiner downloads: synchronized parameters, outer momentum, round, schedule."""
+        """What a joiner downloads: synchronized parameters, outer momentum, round, schedule.
+        A momentum of zeros (outer momentum 0: plain averaging) is named, not sent, which
+        halves the download (download.py puts it back)."""
         with self.lock:
             theta, momentum = self.theta_sync.clone(), self.outer.buf.clone()
             meta = {"round": self.round, "numel": self.numel, "step": self._schedule_step}
         log.info("served the state of round %d (parameters %s)", meta["round"], digest(theta))
+        if not bool(momentum.any()):
+            return {**meta, "momentum": ZERO_MOMENTUM}, [theta]
         return meta, [theta, momentum]
 
     def _load(self, meta: dict, tensors: list[torch.Tensor], mode: str) -> None:
@@ -864,7 +872,7 @@ class PeerRuntime:
                 continue
             if math.isfinite(p) and p > 0:
                 proposals.append(min(p, MAX_PERIOD_S))  # no member can stall the swarm
-        period = max(proposals, default=self.period_s)
+        period = on_ladder(max(proposals)) if proposals else self.period_s
         if period != self.period_s:
             self.period_s = period
             self._next_round_at = _next_slot(time.time() + self._lead(), period)
@@ -872,7 +880,7 @@ class PeerRuntime:
         typical = statistics.median(self._round_times)  # one slow round does not stretch H
         # a period holds the round, the step its slot waits for, and the next round's matchmaking
         need = AUTO_MARGIN * (typical + self._step_s) + self._lead()
-        self._proposal_s = _grain(min(max(need, lo), hi, MAX_PERIOD_S))
+        self._proposal_s = on_ladder(max(need, lo), below=min(hi, MAX_PERIOD_S))
         if self._step_s:  # H, for the status table: local steps a period holds
             self._proposal = self.sync_every = max(1, round(period / self._step_s))
 
@@ -1023,24 +1031,30 @@ class PeerRuntime:
         # The watchdog stays: once this process exits it kills whatever helper is left (p2pd).
 
 
-def _grain(seconds: float) -> float:
-    """`seconds` rounded up to a whole number of PERIOD_GRAIN_S (at least one)."""
-    return max(1, math.ceil(seconds / PERIOD_GRAIN_S - 1e-9)) * PERIOD_GRAIN_S
+def on_ladder(seconds: float, below: float = MAX_PERIOD_S) -> float:
+    """`seconds` rounded up to the period ladder (PERIOD_GRAIN_S times a power of two), or
+    the longest rung at most `below` when that is shorter (never less than PERIOD_GRAIN_S).
+    With the rungs 0.5 s apart instead, two pairs of a 4-peer swarm that had split held 3.5
+    and 4 s, whose slots met every 28 s: they trained as two swarms whose synchronized
+    parameters differed, and each meeting sent one pair to download the other's state."""
+    rung = max(math.ceil(math.log2(max(seconds, PERIOD_GRAIN_S) / PERIOD_GRAIN_S) - 1e-9), 0)
+    while rung > 0 and PERIOD_GRAIN_S * 2**rung > below:
+        rung -= 1
+    return PERIOD_GRAIN_S * 2**rung
 
 
 def first_period(step_s: float, swarm: list[float]) -> float:
     """A starting peer's period: the swarm's (the median of the periods the live peers last
-    published), or, in a swarm starting at once, FIRST_SYNC_EVERY steps' time rounded up to
-    PERIOD_GRAIN_S times a power of two. Peers whose step times differ a little then mostly
-    start on the same period, and where one's is twice another's, each of its slots is also a
-    slot of the other's: they meet there and take the group's period. (Rounded to PERIOD_GRAIN_S
-    only, 4 peers started at once first met in two groups of 2, one pair on a period of about 12
-    steps and the other of about 23, whose synchronized parameters then differed.)"""
+    published), or, in a swarm starting at once, FIRST_SYNC_EVERY steps' time on the ladder.
+    Peers whose step times differ a little then mostly start on the same period, and where
+    one's is twice another's, each of its slots is also a slot of the other's: they meet there
+    and take the group's period. (Rounded to PERIOD_GRAIN_S only, 4 peers started at once
+    first met in two groups of 2, one pair on a period of about 12 steps and the other of
+    about 23, whose synchronized parameters then differed.)"""
     published = [p for p in swarm if 0 < p <= MAX_PERIOD_S]
     if published:
-        return statistics.median_low(published)
-    grains = max(FIRST_SYNC_EVERY * step_s / PERIOD_GRAIN_S, 1.0)
-    return PERIOD_GRAIN_S * 2 ** math.ceil(math.log2(grains) - 1e-9)
+        return on_ladder(statistics.median_low(published))
+    return on_ladder(FIRST_SYNC_EVERY * step_s)
 
 
 def _next_slot(now: float, period: float) -> float:
