@@ -28,7 +28,13 @@ from atomtrain.peer.auth import (
     read_roster,
     write_new_key,
 )
-from atomtrain.peer.averaging import GuardedAverager, ProbedAverager
+from atomtrain.peer.averaging import (
+    FORGIVE_ROUNDS,
+    GuardedAverager,
+    ProbedAverager,
+    exclusion_rounds,
+    stalls_remembered,
+)
 from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.robust import Defence, equal_weights
 from atomtrain.peer.traffic import Traffic
@@ -282,6 +288,36 @@ def test_a_reducers_averages_are_checked_as_tightly_as_its_centering_allows():
     bad = own.clone()
     bad[0] = float("nan")
     assert returned_lie("probe", own, bad, typical, factor) == "non-finite averages"
+
+
+def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
+    assert [exclusion_rounds(k) for k in (1, 2, 3, 4)] == [2, 4, 8, 16]
+    assert exclusion_rounds(10**6) == exclusion_rounds(32)  # a long run's count stays bounded
+    assert stalls_remembered(3, FORGIVE_ROUNDS - 1) == 3
+    assert stalls_remembered(3, FORGIVE_ROUNDS) == 2
+    assert stalls_remembered(3, 10 * FORGIVE_ROUNDS) == 0
+
+    # the averager's own bookkeeping: a member stalling again soon is left out twice as long;
+    # one stalling again after many quiet rounds as long as the first time
+    class Peer(str):
+        def to_base58(self) -> str:
+            return str(self)
+
+    events: list = []
+    fake = SimpleNamespace(
+        _stalled={}, _stalls={}, _rounds=0, _events=SimpleNamespace(put=events.append)
+    )
+    fake._excluded = lambda peer: peer in fake._stalled
+
+    def stall_at(round_: int) -> int:
+        fake._rounds, fake._stalled = round_, {}
+        GuardedAverager._stall(fake, Peer("peer"), "silent")
+        return fake._stalled["peer"] - 1  # the rounds it is left out of after this one
+
+    assert [stall_at(1), stall_at(5), stall_at(12)] == [2, 4, 8]
+    assert stall_at(12 + 3 * FORGIVE_ROUNDS) == 2  # three quiet spans forgave all three
+    assert stall_at(14 + 3 * FORGIVE_ROUNDS) == 4  # and soon again: twice as long
+    assert len(events) == 5 and all(e[2] == "stall" for e in events)
 
 
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):

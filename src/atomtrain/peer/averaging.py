@@ -23,7 +23,8 @@ float16 copy keeps this member's own contribution: the runtime needs it to apply
 so every attempt restarts from that copy. Both live in shared memory, read by hivemind's process.
 
 The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
-(robust.py) and excludes from its next rounds (`STALL_ROUNDS`, doubled at each repeat) any member
+(robust.py) and excludes from its next rounds (`STALL_ROUNDS`, doubled at each repeat, one
+repeat forgiven every `FORGIVE_ROUNDS` quiet rounds) any member
 that stalled a round: one that joined the group and then sent nothing, or reduced nothing
 (exact.py tells which), or reduced its span to averages beyond what an honest reducer returns
 (robust.reducer_bounds). Counted in rounds rather than banned for good, since an honest peer
@@ -103,6 +104,9 @@ malformed metadata; no certificate this peer could read names a member."""
 STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
 follower, never asked as a leader), twice as many at each further stall."""
+FORGIVE_ROUNDS = 32
+"""Each this many rounds of this peer's without a further stall forgive a member one stall: an
+honest peer whose link failed now and then over a long run is not left out for ever longer."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
@@ -421,6 +425,16 @@ def membership(peers: list[dict[str, Any]]) -> list[bool]:
         return [True] * len(peers)
 
 
+def exclusion_rounds(stalls: int) -> int:
+    """The rounds a member is left out of after its `stalls`-th remembered stall."""
+    return STALL_ROUNDS * 2 ** (min(max(stalls, 1), 32) - 1)
+
+
+def stalls_remembered(stalls: int, rounds_since: int) -> int:
+    """A member's stalls still counted `rounds_since` rounds after its last one."""
+    return max(stalls - max(rounds_since, 0) // FORGIVE_ROUNDS, 0)
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -457,7 +471,8 @@ class GuardedAverager(DecentralizedAverager):
         self._leaders: dict[bytes, PeerID] = {}  # group ID -> the leader that formed it
         self._trusted = True  # the round's metadata is its members' (robust bans count)
         self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
-        self._stalls: dict[PeerID, int] = {}  # peer -> times it stalled a round
+        self._stalls: dict[PeerID, tuple[int, int]] = {}  # peer -> (stalls, at round)
+        self._rounds = 0  # rounds this member began
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -487,8 +502,10 @@ class GuardedAverager(DecentralizedAverager):
         if self._excluded(peer_id):
             return  # already named in this round
         self._events.put((peer_id.to_base58(), why, "stall"))
-        times = self._stalls[peer_id] = self._stalls.get(peer_id, 0) + 1
-        self._stalled[peer_id] = 1 + STALL_ROUNDS * 2 ** (times - 1)
+        before, at = self._stalls.get(peer_id, (0, self._rounds))
+        times = stalls_remembered(before, self._rounds - at) + 1
+        self._stalls[peer_id] = (times, self._rounds)
+        self._stalled[peer_id] = 1 + exclusion_rounds(times)
 
     def _excluded(self, peer_id: PeerID) -> bool:
         """Stalled a round lately (local, for some rounds; a ban is the gate's and lasts)."""
@@ -561,6 +578,7 @@ class GuardedAverager(DecentralizedAverager):
         self._guard_leaders()
         # a new round: one fewer to leave stalled members out of
         self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
+        self._rounds += 1
         self._leaders.clear()
         self._round_at = step.scheduled_time
         if self._gate.signing_key is not None:  # this step's copy, in this process
