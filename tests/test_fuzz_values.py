@@ -110,6 +110,28 @@ def test_every_config_field(args: list[str]):
     assert 0 <= cfg.peer.port <= 65535
 
 
+def _text_fields() -> list[str]:
+    cfg = RunConfig()
+    out = []
+    for field in FIELDS:
+        section, _, name = field.rpartition(".")
+        value = getattr(getattr(cfg, section), name) if section else getattr(cfg, name)
+        if isinstance(value, str):
+            out.append(field)
+    return out
+
+
+@pytest.mark.parametrize("value", ["1" * 400, "x/" * 3000, "a\x00b", "~nobody/x"])
+def test_every_text_field_takes_names_no_file_can_have(value: str):
+    """Names too long for the file system, NUL bytes: an error that names the field, or a
+    value kept as text, never an OSError from looking it up (a tokenizer path once did)."""
+    for field in _text_fields():
+        try:
+            load_run_config(overrides=[f"--{field}={value}"])
+        except AtomError as e:
+            one_line(e)
+
+
 @FUZZ
 @given(st.lists(st.text(max_size=15), max_size=5))
 @example(["--train.lr=1", "--train.lr.x=2"])

@@ -74,13 +74,22 @@ def _check_run(cfg: RunConfig) -> None:
         )
 
 
+def _is_file(path: Path) -> bool:
+    """Whether `path` is a file; False where it cannot be looked at (a name too long, a NUL,
+    a directory we may not enter)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def _check_data(cfg: RunConfig) -> None:
     d = cfg.data
     if not d.source:
         raise AtomError("data.source must name a file, a directory, a glob or stdlib")
     t = d.tokenizer
     if t not in ("auto", "byte", "bpe") and not (
-        Path(t).is_file() or (Path(t) / "tokenizer.json").is_file()
+        _is_file(Path(t)) or _is_file(Path(t) / "tokenizer.json")
     ):
         raise AtomError(
             f"data.tokenizer must be auto, byte, bpe or a directory with a tokenizer.json, "
