@@ -248,6 +248,34 @@ def read_key(path: Path) -> SwarmKey:
     return key
 
 
+def test_only_peers_that_published_the_round_vote_and_one_alone_never_decides():
+    """A killed peer's record (older rounds only, live for a while) is no vote against the state
+    both survivors hold; a peer alone in claiming a round outvotes no one."""
+    import torch
+
+    from atomtrain.peer.agreement import RoundDigest, disagreement
+
+    held = (torch.ones(8), torch.zeros(8))
+    forged = (torch.full((8,), 2.0), torch.zeros(8))
+    old = (torch.full((8,), 0.5), torch.zeros(8))
+
+    def rounds(state: tuple, *numbers: int) -> list[RoundDigest]:
+        return [RoundDigest.of(r, *state) for r in numbers]
+
+    survivors = {"a": rounds(held, 5, 6, 7), "b": rounds(held, 5, 6, 7)}
+    killed = {"k": rounds(old, 3, 4, 5)}
+    assert disagreement(7, *held, {**survivors, **killed}) is None  # was: 2 of 3, refused
+    assert "1 of the 3" in (disagreement(7, *forged, {**survivors, "f": rounds(forged, 7)}) or "")
+    # a round only the server claims: one digest, one peer alone, refused
+    assert disagreement(9, *forged, {**survivors, "f": rounds(forged, 9)}) is not None
+    # two lineages at one round: neither is more than half
+    split = {**survivors, "c": rounds(forged, 7), "d": rounds(forged, 7)}
+    assert disagreement(7, *held, split) is not None and disagreement(7, *forged, split) is not None
+    # the only other peer of a swarm of two decides alone, as before
+    assert disagreement(7, *held, {"a": survivors["a"]}) is None
+    assert disagreement(7, *held, {}) is not None
+
+
 def test_only_certified_members_vote_on_what_the_swarm_holds():
     """Digests signed by keys anyone can make (a forger's sybil votes) are not counted; each
     member counts once."""

@@ -4,9 +4,12 @@ Members of a round apply the same bits of the average (exact.py), so every peer 
 the same synchronized parameters and outer momentum. Each peer publishes, signed under its own
 key (a record no one else can write), exact digests of both for its last rounds. A downloaded
 state is taken only when the digests of its parameters and momentum match those that more than
-half of the publishing peers hold for its round: a forged model or an oversized momentum buffer,
-served by one peer, matches only that peer's own record, and is refused before it replaces
-anything.
+half of the peers that published a digest for its round hold, and at least two of them where
+more than one peer publishes: a forged model or an oversized momentum buffer, served by one
+peer, matches only that peer's own record, and is refused before it replaces anything. Peers
+that published nothing for that round (behind it, or killed before it, their records still
+live for AGREEMENT_TTL_S) do not vote: counted as votes against, a killed peer's record made a
+joiner refuse the state both survivors held (2 of 4 publishers).
 
 Peers whose arithmetic rounds differently (the outer step on CPUs with and without fused
 multiply-add) would not hold the same bits; such a swarm would refuse its own states.
@@ -122,14 +125,16 @@ def disagreement(
     records: Mapping[str, Sequence[RoundDigest]],
 ) -> str | None:
     """Why a state of `round` is not what the swarm agrees on, or None when more than half of
-    the publishing peers hold exactly it."""
+    the peers that published a digest for that round hold exactly it (two at least, unless a
+    single peer publishes at all)."""
     if not records:
         return "no peer published what the swarm holds"
     have = RoundDigest.of(round, params, momentum)
-    agree = sum(have in entries for entries in records.values())
-    if agree * 2 <= len(records):
+    voters = [entries for entries in records.values() if any(e.round == round for e in entries)]
+    agree = sum(have in entries for entries in voters)
+    if agree * 2 <= len(voters) or (agree < 2 and len(records) > 1):
         return (
-            f"its round {round} parameters and momentum match {agree} of {len(records)} "
-            f"peers' published digests"
+            f"its round {round} parameters and momentum match {agree} of the {len(voters)} "
+            f"digests published for that round (by {len(records)} peers)"
         )
     return None
