@@ -248,31 +248,48 @@ def read_key(path: Path) -> SwarmKey:
     return key
 
 
-def test_only_peers_that_published_the_round_vote_and_one_alone_never_decides():
-    """A killed peer's record (older rounds only, live for a while) is no vote against the state
-    both survivors hold; a peer alone in claiming a round outvotes no one."""
+def test_a_dead_peers_record_has_no_vote_and_one_alone_never_decides():
+    """A killed peer's record (live in the DHT until it expires) is no vote against the state
+    the survivors hold; colluders claiming a round no one else holds, or one peer alone, do not
+    outvote the live members."""
     import torch
+    from hivemind.dht.crypto import RSASignatureValidator
 
-    from atomtrain.peer.agreement import RoundDigest, disagreement
+    from atomtrain.peer.agreement import (
+        AGREEMENT_TTL_S,
+        LIVE_S,
+        RoundDigest,
+        disagreement,
+        parse_records,
+    )
 
     held = (torch.ones(8), torch.zeros(8))
     forged = (torch.full((8,), 2.0), torch.zeros(8))
     old = (torch.full((8,), 0.5), torch.zeros(8))
+    now = 1000.0
 
-    def rounds(state: tuple, *numbers: int) -> list[RoundDigest]:
-        return [RoundDigest.of(r, *state) for r in numbers]
+    def record(state: tuple, rounds: list[int], stored_s_ago: float) -> SimpleNamespace:
+        digests = [RoundDigest.of(r, *state) for r in rounds]
+        return SimpleNamespace(
+            value=[[d.round, d.params, d.momentum] for d in digests],
+            expiration_time=now - stored_s_ago + AGREEMENT_TTL_S,
+        )
 
-    survivors = {"a": rounds(held, 5, 6, 7), "b": rounds(held, 5, 6, 7)}
-    killed = {"k": rounds(old, 3, 4, 5)}
-    assert disagreement(7, *held, {**survivors, **killed}) is None  # was: 2 of 3, refused
-    assert "1 of the 3" in (disagreement(7, *forged, {**survivors, "f": rounds(forged, 7)}) or "")
-    # a round only the server claims: one digest, one peer alone, refused
-    assert disagreement(9, *forged, {**survivors, "f": rounds(forged, 9)}) is not None
-    # two lineages at one round: neither is more than half
-    split = {**survivors, "c": rounds(forged, 7), "d": rounds(forged, 7)}
-    assert disagreement(7, *held, split) is not None and disagreement(7, *forged, split) is not None
-    # the only other peer of a swarm of two decides alone, as before
-    assert disagreement(7, *held, {"a": survivors["a"]}) is None
+    def records(named: dict[str, SimpleNamespace], at: float | None = now) -> dict:
+        keys = {name: RSASignatureValidator(RSAPrivateKey()).local_public_key for name in named}
+        return parse_records(SimpleNamespace(value={keys[n]: r for n, r in named.items()}), b"", at)
+
+    survivors = {n: record(held, [5, 6, 7], 3.0) for n in ("a", "b")}
+    killed = {n: record(old, [3, 4, 5], LIVE_S + 4) for n in ("k", "l")}
+    # counted until their records expire, two killed peers outvoted the survivors (2 of 4)
+    assert "2 of 4" in (disagreement(7, *held, records({**survivors, **killed}, None)) or "")
+    assert disagreement(7, *held, records({**survivors, **killed})) is None  # now 2 of 2
+    # two colluders serving a round no live member holds match 2 of 4: refused
+    colluders = {n: record(forged, [9], 1.0) for n in ("f", "g")}
+    assert disagreement(9, *forged, records({**survivors, **colluders})) is not None
+    # one peer alone never decides, unless it is the only other peer of a swarm of two
+    assert disagreement(9, *forged, records({"a": survivors["a"], "f": colluders["f"]}))
+    assert disagreement(7, *held, records({"a": survivors["a"]})) is None
     assert disagreement(7, *held, {}) is not None
 
 

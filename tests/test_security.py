@@ -298,26 +298,37 @@ def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
     assert stalls_remembered(3, 10 * FORGIVE_ROUNDS) == 0
 
     # the averager's own bookkeeping: a member stalling again soon is left out twice as long;
-    # one stalling again after many quiet rounds as long as the first time
+    # one stalling again after many quiet rounds (counted from the end of its exclusion) as
+    # long as the first time; one stalling whenever it is let back in, ever longer
     class Peer(str):
         def to_base58(self) -> str:
             return str(self)
 
     events: list = []
-    fake = SimpleNamespace(
-        _stalled={}, _stalls={}, _rounds=0, _events=SimpleNamespace(put=events.append)
-    )
-    fake._excluded = lambda peer: peer in fake._stalled
 
-    def stall_at(round_: int) -> int:
+    def averager() -> SimpleNamespace:
+        fake = SimpleNamespace(
+            _stalled={}, _stalls={}, _rounds=0, _events=SimpleNamespace(put=events.append)
+        )
+        fake._excluded = lambda peer: peer in fake._stalled
+        return fake
+
+    def stall_at(fake: SimpleNamespace, round_: int) -> int:
         fake._rounds, fake._stalled = round_, {}
         GuardedAverager._stall(fake, Peer("peer"), "silent")
         return fake._stalled["peer"] - 1  # the rounds it is left out of after this one
 
-    assert [stall_at(1), stall_at(5), stall_at(12)] == [2, 4, 8]
-    assert stall_at(12 + 3 * FORGIVE_ROUNDS) == 2  # three quiet spans forgave all three
-    assert stall_at(14 + 3 * FORGIVE_ROUNDS) == 4  # and soon again: twice as long
-    assert len(events) == 5 and all(e[2] == "stall" for e in events)
+    a = averager()
+    assert [stall_at(a, 1), stall_at(a, 5), stall_at(a, 12)] == [2, 4, 8]
+    back = 12 + 8  # its exclusion over; three quiet spans from then forgive all three stalls
+    assert stall_at(a, back + 3 * FORGIVE_ROUNDS) == 2
+    assert stall_at(a, back + 3 * FORGIVE_ROUNDS + 3) == 4  # and soon again: twice as long
+    b, at, left_out = averager(), 1, []
+    for _ in range(8):  # let back in, it stalls at once, every time
+        left_out.append(stall_at(b, at))
+        at += left_out[-1] + 1
+    assert left_out == [2, 4, 8, 16, 32, 64, 128, 256]
+    assert len(events) == 13 and all(e[2] == "stall" for e in events)
 
 
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):

@@ -4,12 +4,12 @@ Members of a round apply the same bits of the average (exact.py), so every peer 
 the same synchronized parameters and outer momentum. Each peer publishes, signed under its own
 key (a record no one else can write), exact digests of both for its last rounds. A downloaded
 state is taken only when the digests of its parameters and momentum match those that more than
-half of the peers that published a digest for its round hold, and at least two of them where
-more than one peer publishes: a forged model or an oversized momentum buffer, served by one
-peer, matches only that peer's own record, and is refused before it replaces anything. Peers
-that published nothing for that round (behind it, or killed before it, their records still
-live for AGREEMENT_TTL_S) do not vote: counted as votes against, a killed peer's record made a
-joiner refuse the state both survivors held (2 of 4 publishers).
+half of the live publishing peers hold for its round, and at least two of them where more than
+one peer publishes: a forged model or an oversized momentum buffer, served by one peer (or by
+two colluding members claiming a round no one else holds), matches too few records, and is
+refused before it replaces anything. A record its peer has not stored again for `LIVE_S` is a
+dead peer's and has no vote: counted until it expired, a killed peer's record made a joiner
+refuse the state both survivors held (2 of 3 votes).
 
 Peers whose arithmetic rounds differently (the outer step on CPUs with and without fused
 multiply-add) would not hold the same bits; such a swarm would refuse its own states.
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from atomtrain.peer.auth import Roster
 
 AGREEMENT_TTL_S = 30.0
+LIVE_S = 16.0
+"""A record stored longer ago than this is a dead peer's: a live one stores it again as each
+round lands and at least every 10 s (runtime.REPUBLISH_EVERY_S, at a 2 s status tick)."""
 KEPT_ROUNDS = 3
 """Rounds a record holds: a state served at a round is still checkable while the swarm takes
 the next ones."""
@@ -75,9 +78,12 @@ class AgreementRecord:
         )
 
 
-def parse_records(found: object, exclude: bytes = b"") -> dict[str, list[RoundDigest]]:
+def parse_records(
+    found: object, exclude: bytes = b"", now: float | None = None
+) -> dict[str, list[RoundDigest]]:
     """{signer's public key: digests} from what the DHT returned for the agreement key;
-    malformed entries are skipped, and so is `exclude` (the asking peer's own subkey)."""
+    malformed entries are skipped, and so is `exclude` (the asking peer's own subkey), and,
+    given the DHT time `now`, every record not stored within LIVE_S of it (a dead peer's)."""
     value = getattr(found, "value", None)
     if not isinstance(value, dict):
         return {}
@@ -89,6 +95,8 @@ def parse_records(found: object, exclude: bytes = b"") -> dict[str, list[RoundDi
         entries = getattr(item, "value", None)
         if not isinstance(entries, list):
             continue
+        if now is not None and not _stored_within(item, now, LIVE_S):
+            continue
         parsed = []
         for e in entries[:KEPT_ROUNDS]:
             try:
@@ -99,8 +107,18 @@ def parse_records(found: object, exclude: bytes = b"") -> dict[str, list[RoundDi
     return out
 
 
+def _stored_within(item: object, now: float, seconds: float) -> bool:
+    """Whether a record (stored to expire AGREEMENT_TTL_S after it was stored) was stored
+    within `seconds` of `now`."""
+    expires = getattr(item, "expiration_time", None)
+    try:
+        return float(expires) - AGREEMENT_TTL_S >= now - seconds  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
 def read_records(dht: DHT, swarm: str, exclude: bytes = b"") -> dict[str, list[RoundDigest]]:
-    return parse_records(dht.get(agreement_key(swarm), latest=True), exclude)
+    return parse_records(dht.get(agreement_key(swarm), latest=True), exclude, get_dht_time())
 
 
 def members_only(
@@ -125,16 +143,14 @@ def disagreement(
     records: Mapping[str, Sequence[RoundDigest]],
 ) -> str | None:
     """Why a state of `round` is not what the swarm agrees on, or None when more than half of
-    the peers that published a digest for that round hold exactly it (two at least, unless a
-    single peer publishes at all)."""
+    the publishing peers hold exactly it (two at least, unless a single peer publishes)."""
     if not records:
         return "no peer published what the swarm holds"
     have = RoundDigest.of(round, params, momentum)
-    voters = [entries for entries in records.values() if any(e.round == round for e in entries)]
-    agree = sum(have in entries for entries in voters)
-    if agree * 2 <= len(voters) or (agree < 2 and len(records) > 1):
+    agree = sum(have in entries for entries in records.values())
+    if agree * 2 <= len(records) or (agree < 2 and len(records) > 1):
         return (
-            f"its round {round} parameters and momentum match {agree} of the {len(voters)} "
-            f"digests published for that round (by {len(records)} peers)"
+            f"its round {round} parameters and momentum match {agree} of {len(records)} "
+            f"peers' published digests"
         )
     return None

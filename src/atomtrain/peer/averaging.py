@@ -105,8 +105,10 @@ STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
 follower, never asked as a leader), twice as many at each further stall."""
 FORGIVE_ROUNDS = 32
-"""Each this many rounds of this peer's without a further stall forgive a member one stall: an
-honest peer whose link failed now and then over a long run is not left out for ever longer."""
+"""Each this many rounds of this peer's without a further stall, counted from the end of the
+member's last exclusion, forgive it one stall: an honest peer whose link failed now and then
+over a long run is not left out for ever longer, while one that stalls whenever it is let back
+in is left out ever longer."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
@@ -503,7 +505,9 @@ class GuardedAverager(DecentralizedAverager):
             return  # already named in this round
         self._events.put((peer_id.to_base58(), why, "stall"))
         before, at = self._stalls.get(peer_id, (0, self._rounds))
-        times = stalls_remembered(before, self._rounds - at) + 1
+        # quiet rounds count from the end of its last exclusion, not the rounds it sat out
+        quiet = self._rounds - at - (exclusion_rounds(before) if before else 0)
+        times = stalls_remembered(before, quiet) + 1
         self._stalls[peer_id] = (times, self._rounds)
         self._stalled[peer_id] = 1 + exclusion_rounds(times)
 

@@ -73,6 +73,8 @@ def with_momentum(metadata: Any, tensors: list[Any]) -> list[Any]:
         and metadata.get("momentum") == ZERO_MOMENTUM
         and len(tensors) == 1
         and isinstance(tensors[0], torch.Tensor)
+        and tensors[0].dtype == torch.float32
+        and tensors[0].dim() == 1
     ):
         return [tensors[0], torch.zeros_like(tensors[0])]
     return tensors

@@ -126,9 +126,11 @@ def apply_outer_step(
             continue
         m = momentum[sl]
         taken = own_share_step(own, m, lr, mu, share) if share > 0 else own.float()
-        if mu:  # plain averaging (mu 0) keeps no momentum: the buffer stays zeros
+        if mu:
             m.mul_(mu).add_(a)
             a.add_(m, alpha=mu)
+        else:  # plain averaging keeps no momentum: zeros (also one resumed from a run with mu)
+            m.zero_()
         step = a.mul_(lr)  # a is a fresh float32 copy: reuse it
         theta[sl].sub_(step)
         x.add_((taken - step).to(x))

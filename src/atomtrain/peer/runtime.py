@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from hivemind import DHT
 from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
 
 from atomtrain.config import PeerSection
 from atomtrain.errors import AtomError
@@ -546,7 +547,7 @@ class PeerRuntime:
             theta, momentum = self.theta_sync.clone(), self.outer.buf.clone()
             meta = {"round": self.round, "numel": self.numel, "step": self._schedule_step}
         log.info("served the state of round %d (parameters %s)", meta["round"], digest(theta))
-        if not bool(momentum.any()):
+        if not bool(momentum.view(torch.int32).any()):  # every bit zero (no -0.0 either)
             return {**meta, "momentum": ZERO_MOMENTUM}, [theta]
         return meta, [theta, momentum]
 
@@ -858,8 +859,9 @@ class PeerRuntime:
         log.debug("round %d applied with %d peers", self.round, result.group_size)
 
     def _choose_sync_every(self, result: RoundResult, round_s: float) -> None:
-        """With H auto: the period is the largest the round's members proposed (what each sent,
-        so every member computes the same); this peer's next proposal follows its round time."""
+        """With H auto: the period is the rung of the ladder (on_ladder) of the largest period the
+        round's members proposed (what each sent, so every member computes the same); this
+        peer's next proposal follows its round time."""
         if self.cfg.fixed_sync_every:
             return
         lo = self.cfg.min_sync_every * self._step_s
@@ -881,6 +883,8 @@ class PeerRuntime:
         # a period holds the round, the step its slot waits for, and the next round's matchmaking
         need = AUTO_MARGIN * (typical + self._step_s) + self._lead()
         self._proposal_s = on_ladder(max(need, lo), below=min(hi, MAX_PERIOD_S))
+        if self._proposal_s < lo:  # no rung within [lo, hi]: the shortest H allowed wins
+            self._proposal_s = on_ladder(lo)
         if self._step_s:  # H, for the status table: local steps a period holds
             self._proposal = self.sync_every = max(1, round(period / self._step_s))
 
@@ -922,7 +926,8 @@ class PeerRuntime:
             state = future.result()
             records = (
                 members_only(
-                    parse_records(records_future.result(), exclude=self._subkey), self.roster()
+                    parse_records(records_future.result(), self._subkey, get_dht_time()),
+                    self.roster(),
                 )
                 if records_future is not None
                 else None
@@ -1037,6 +1042,8 @@ def on_ladder(seconds: float, below: float = MAX_PERIOD_S) -> float:
     With the rungs 0.5 s apart instead, two pairs of a 4-peer swarm that had split held 3.5
     and 4 s, whose slots met every 28 s: they trained as two swarms whose synchronized
     parameters differed, and each meeting sent one pair to download the other's state."""
+    if not seconds <= below:  # NaN, inf, or beyond the cap
+        seconds = below
     rung = max(math.ceil(math.log2(max(seconds, PERIOD_GRAIN_S) / PERIOD_GRAIN_S) - 1e-9), 0)
     while rung > 0 and PERIOD_GRAIN_S * 2**rung > below:
         rung -= 1
