@@ -290,6 +290,13 @@ def test_the_outer_step_moves_model_and_sync_alike():
     torch.testing.assert_close(theta, theta_want)
     torch.testing.assert_close(flatten(params, pieces), x_want)
     assert len(Sketcher(57).of(theta)) == 64
+    # plain averaging (momentum 0): the step is the average; no momentum is kept, not even
+    # one resumed from a run with momentum (every member holds the same zeros)
+    theta2, x2 = theta.clone(), flatten(params, pieces)
+    apply_outer_step(params, pieces, list(zip(avg, own, strict=True)), theta, m, 1.0, 0.0, False)
+    torch.testing.assert_close(theta, theta2 - a_flat)
+    torch.testing.assert_close(flatten(params, pieces), x2 + q_flat - a_flat)
+    assert not m.view(torch.int32).any()
 
 
 def test_an_overlapped_round_trains_on_from_its_share_and_lands_where_the_plain_rule_does():
