@@ -9,7 +9,7 @@ one peer publishes: a forged model or an oversized momentum buffer, served by on
 two colluding members claiming a round no one else holds), matches too few records, and is
 refused before it replaces anything. A record its peer has not stored again for `LIVE_S` is a
 dead peer's and has no vote: counted until it expired, a killed peer's record made a joiner
-refuse the state both survivors held (2 of 3 votes).
+refuse the state both survivors held ("match 2 of 4").
 
 Peers whose arithmetic rounds differently (the outer step on CPUs with and without fused
 multiply-add) would not hold the same bits; such a swarm would refuse its own states.
