@@ -68,11 +68,12 @@ from hivemind.compression import (
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import achain, as_aiter, azip
+from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
-from atomtrain.peer.attack import forge_gathered, lie_sizes
+from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
+from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
 from atomtrain.peer.download import download_from
@@ -104,6 +105,8 @@ malformed metadata; no certificate this peer could read names a member."""
 STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
 follower, never asked as a leader), twice as many at each further stall."""
+AUDITS_KEPT = 4
+"""Audited all-reduces whose replays a member keeps for the members that ask after it ends."""
 FORGIVE_ROUNDS = 32
 """Each this many rounds of this peer's without a further stall, counted from the end of the
 member's last exclusion, forgive it one stall: an honest peer whose link failed now and then
@@ -475,6 +478,7 @@ class GuardedAverager(DecentralizedAverager):
         self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
         self._stalls: dict[PeerID, tuple[int, int]] = {}  # peer -> (stalls, at round)
         self._rounds = 0  # rounds this member began
+        self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -568,6 +572,49 @@ class GuardedAverager(DecentralizedAverager):
                 raise  # this request itself was cancelled: its sender hung up
             return False
         return True
+
+    async def rpc_audit_parts(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The reducer of the span this member audits streams the parts it combined (audit.py)."""
+        first = await anext(stream)
+        runner = await self._audited_runner(first.group_id, context.remote_id)
+        if runner is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        taken = await runner.take_forwarded(context.remote_id, achain(as_aiter(first), stream))
+        code = averaging_pb2.AVERAGED_PART if taken else averaging_pb2.PROTOCOL_VIOLATION
+        yield averaging_pb2.AveragingData(code=code)
+
+    async def rpc_audit_verdict(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """A member of a group asks for the verdict on the span this member audited, revealing
+        the seed of its projections in `peer_id` and naming the span in `weight` (audit.py)."""
+        runner = await self._audited_runner(request.group_id, context.remote_id)
+        if runner is None or len(request.peer_id) != 8 or not _finite(request.weight):
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        seed = int.from_bytes(request.peer_id, "big")
+        told = await runner.answer(context.remote_id, int(request.weight), seed)
+        reply = averaging_pb2.AveragingData(
+            code=averaging_pb2.AVERAGED_PART, peer_id=self.serializer.dumps(told)
+        )
+        self._traffic.add(SENT, reply)
+        return reply
+
+    async def _audited_runner(self, group_id: bytes, caller: PeerID) -> AuditedRunner | None:
+        """The audited all-reduce of group `group_id` when `caller` is one of its members
+        (waiting for this member to start it, as the parts' handler does)."""
+        runner = self._audits.get(group_id)
+        if runner is None:
+            try:
+                if await asyncio.wait_for(self._group_started(group_id), self._window_s):
+                    runner = self._audits.get(group_id)
+            except asyncio.TimeoutError:
+                return None
+        if runner is None or caller not in runner.sender_peer_ids:
+            return None
+        return runner
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -710,8 +757,11 @@ class GuardedAverager(DecentralizedAverager):
         runner_type: type[ExactAverageRunner] = ExactAverageRunner
         extra: dict[str, Any] = {}
         if self._defence is not None:
-            runner_type, extra = RobustRunner, self._robust_arguments(group_info, self._defence)
+            runner_type = AuditedRunner if self._defence.audit else RobustRunner
+            extra = self._robust_arguments(group_info, self._defence)
             extra["on_stall"] = self._stall
+            if self._attack == "lying_auditor":  # bench attack only
+                extra["slander"] = SLANDER
         elif self._attack == "lying_reducer":  # bench attack only: it lies in undefended swarms too
             runner_type, extra = RobustRunner, self._robust_arguments(group_info, NO_DEFENCE)
         runner = runner_type(
@@ -725,9 +775,15 @@ class GuardedAverager(DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids,
             **kwargs,
         )
+        if isinstance(runner, AuditedRunner):  # its auditor and members ask it after it ends
+            self._audits[group_id] = runner
+            while len(self._audits) > AUDITS_KEPT:
+                del self._audits[next(iter(self._audits))]
         self._running_groups[group_id].set_result(runner)
-        async for tensor, average in azip(as_aiter(*tensors), runner):
-            tensor.copy_(average)  # the same bits on every member (exact.py)
+        index = 0
+        async for average in runner:  # to its end: an audited round is checked after the last
+            tensors[index].copy_(average)  # the same bits on every member (exact.py)
+            index += 1
         self.last_updated = get_dht_time()
         self._state_updated.set()
 

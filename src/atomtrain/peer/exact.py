@@ -61,12 +61,22 @@ class ExactAverageRunner(CountedRunner):
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, (part, info) in enumerate(container._input_parts_by_peer[peer_index]):
             average = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, part, weight=self.weight
+                sender_index,
+                part_index,
+                self._own_input(part_index, part, info),
+                weight=self.weight,
             )
             wire = container.compression.compress(average, info)
             container.register_processed_part(
                 peer_index, part_index, deserialize_torch_tensor(wire)
             )
+
+    def _own_input(self, part_index: int, part: Any, info: Any) -> Any:
+        """What this member reduces as its own part of its span (audit.py: through the codec)."""
+        return part
+
+    def _received(self, sender_index: int, part_index: int, wire: Any) -> None:
+        """A sender's part of this member's span, as it came (audit.py keeps it)."""
 
     async def _accumulate_parts_streaming(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
@@ -75,15 +85,17 @@ class ExactAverageRunner(CountedRunner):
         part_index = 0
         try:
             loop = asyncio.get_event_loop()
-            async for part, weight, compression in amap_in_executor(
+            async for part, weight, wire in amap_in_executor(
                 lambda msg: (
                     deserialize_torch_tensor(msg.tensor_part),
                     msg.weight,
-                    msg.tensor_part.compression,
+                    msg.tensor_part,
                 ),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                compression = wire.compression
+                self._received(sender_index, part_index, wire)
                 try:
                     average = await self.tensor_part_reducer.accumulate_part(
                         sender_index, part_index, part, weight=weight

@@ -78,9 +78,12 @@ class Defence:
     min_scale: float = 0.0
     """Smallest typical update (RMS), so a group whose updates are near zero (a round right after
     a sync) does not take an honest larger update for an outlier."""
+    audit: bool = True
+    """A second member recomputes each span's reduction, and every member checks what it
+    received against that (audit.py): a reducer that lies is caught the first time."""
 
 
-NO_DEFENCE = Defence(clip=math.inf, reject=math.inf, reduced=math.inf)
+NO_DEFENCE = Defence(clip=math.inf, reject=math.inf, reduced=math.inf, audit=False)
 """Nothing clipped or refused for its size: the weighted mean of the finite parts (bench attack's
 lying reducer in an undefended swarm)."""
 
@@ -199,6 +202,8 @@ class RobustReducer(TensorPartReducer):
         self.in_sync = list(in_sync) if in_sync is not None else None
         self.on_reject = on_reject
         self.parts: dict[int, torch.Tensor] = {}
+        # told, part by part, which senders' parts each average combined (audit.py)
+        self.on_combined: Callable[[int, list[int]], None] | None = None
         super().__init__(part_shapes, len(weights))
 
     def reset_accumulators(self) -> None:
@@ -236,15 +241,17 @@ class RobustReducer(TensorPartReducer):
     def check_current_part_finished(self) -> None:
         if self.current_part_accumulated_from == self.num_current_senders:
             self.current_part_future.set_result(self._combine())
+            if self.on_combined is not None:
+                self.on_combined(self.current_part_index, sorted(self.parts))
             self.reset_accumulators()
 
     def _combine(self) -> torch.Tensor:
         shape = self.part_shapes[self.current_part_index]
         kind = self.part_kinds[self.current_part_index]
         if kind == PROBE:
-            return self._mean(self.parts.items(), shape)
+            return self._mean(sorted(self.parts.items()), shape)
         candidates: dict[int, torch.Tensor] = {}
-        for i, x in self.parts.items():
+        for i, x in sorted(self.parts.items()):  # in sender order: an audit's replay sums alike
             if kind == DELTA and self.in_sync is not None and not self.in_sync[i]:
                 continue  # an update made from other synchronized parameters than the group's
             if self.dropped[i]:
@@ -351,21 +358,28 @@ class RobustRunner(ExactAverageRunner):
             reducer_bounds(claims, p in counted, defence) for p in self.ordered_peer_ids
         ]
         self._own_sender = senders.index(self.peer_id)
-        self.tensor_part_reducer = RobustReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging),
-            part_kinds,
-            [weights.get(p, MIN_WEIGHT) for p in senders],
-            self._own_sender,
-            defence,
-            [p in banned for p in senders],
-            lambda i, why: on_reject(senders[i], why),
-            [in_sync[p] for p in senders] if in_sync is not None else None,
-            lie,
-        )
+        self._weights = [weights.get(p, MIN_WEIGHT) for p in senders]
+        self._in_sync = [in_sync[p] for p in senders] if in_sync is not None else None
         self._kinds_by_peer = [
             [kinds[info.key] for _, info in parts]
             for parts in self.tensor_part_container._input_parts_by_peer
         ]
+        # (shape, compression info) of every span's parts: the container drops them when done
+        self.span_parts = [
+            [(part.shape, info) for part, info in parts]
+            for parts in self.tensor_part_container._input_parts_by_peer
+        ]
+        self.tensor_part_reducer = RobustReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging),
+            part_kinds,
+            self._weights,
+            self._own_sender,
+            defence,
+            [p in banned for p in senders],
+            lambda i, why: on_reject(senders[i], why),
+            self._in_sync,
+            lie,
+        )
         register = self.tensor_part_container.register_processed_part
 
         def checked(peer_index: int, part_index: int, average: torch.Tensor) -> None:
@@ -374,6 +388,21 @@ class RobustRunner(ExactAverageRunner):
             register(peer_index, part_index, average)
 
         self.tensor_part_container.register_processed_part = checked
+
+    def replay_reducer(self, peer_index: int) -> RobustReducer:
+        """A reducer for the span of the member at `peer_index`, as that member's own (its part
+        the one centered on), judging no one and lying about nothing: what an honest reducer
+        of that span computes from the same parts (audit.py)."""
+        return RobustReducer(
+            tuple(shape for shape, _ in self.span_parts[peer_index]),
+            self._kinds_by_peer[peer_index],
+            self._weights,
+            self.sender_peer_ids.index(self.ordered_peer_ids[peer_index]),
+            self.defence,
+            [False] * len(self.sender_peer_ids),
+            lambda i, why: None,
+            self._in_sync,
+        )
 
     def _check_reduced(self, peer_index: int, part_index: int, average: torch.Tensor) -> None:
         """`average`: what the reducer of that span sent back for our part. Non-finite: the

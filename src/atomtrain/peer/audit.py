@@ -1,0 +1,344 @@
+"""Audited reduction: a second member recomputes each span, so no reducer can lie unseen.
+
+In a butterfly all-reduce one member reduces each span: it receives every member's part of the
+span and returns their robust average (robust.py). Members could only check what came back
+against loose bounds, so a reducer that knew them moved its span's average by a few typical
+updates every round, unseen. Here each span has an *auditor*, the next reducer in the group's
+order:
+
+1. The reducer reduces the parts as they came over the wire, its own part through the same
+   codec, and streams every part it combined to the auditor as it combines it
+   (`rpc_audit_parts`): one model's worth of the wire codec per member and round.
+2. The auditor replays the reduction from those parts with the same robust reducer and the
+   group's shared settings (the reducer's part the one centered on), and compares the replay
+   with the averages the reducer sent it.
+3. Every member then asks each span's auditor for its verdict (`rpc_audit_verdict`), revealing
+   a seed it drew in secret when the round began. The auditor answers with random projections
+   (by that seed) of each replayed part, and a hash of the parts the reducer forwarded as this
+   member's. The member compares them with the same projections of the averages it received and
+   a hash of the parts it sent. Anything amiss and the round is discarded before anything is
+   applied. The seed is revealed only after the averages arrived, so a reducer cannot hide a lie
+   where the projections do not look; they tolerate the codec's rounding of a replay whose sums
+   ran in another order (`TOLERANCE`).
+
+Blame falls only where it is certain, and means being left out of the next rounds as a member
+that stalls (averaging.py): the auditor blames a reducer whose averages differ from the replay of
+the parts it forwarded (or that forwarded none); the reducer, which knows its averages are
+honest, blames an auditor that reports otherwise. A member that is neither sees only that the
+two disagree, and discards the round without blaming either. So a reducer that lies loses the
+round the first time (nothing of it is applied) and is left out by its auditor; a member that
+lies as an auditor is left out by the reducer it slandered.
+
+Not closed: a reducer could forward, in place of other members' parts, parts it made up to fit
+its lie. Each member whose part was replaced sees it (the hash) and discards the round; the
+others apply it. Parts signed by their senders would close that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.asyncio import aiter_with_timeout
+
+from atomtrain.peer.robust import RobustReducer, RobustRunner
+from atomtrain.peer.traffic import RECEIVED, SENT
+
+PROJECTIONS = 4
+"""Random projections of each part an auditor reports: a lie larger than the tolerance shows in
+any one of them but with a chance of about the tolerance; in all four, never."""
+TOLERANCE = 1e-3
+"""Largest difference, relative to the part, between projections of an honest replay and of the
+averages received: the codec rounds a replay's last bit the other way in a few elements at most
+(its sums in another order)."""
+OK, MISMATCH, SILENT, FAILED = "ok", "mismatch", "silent", "failed"
+"""Verdicts: the auditor replayed the span; the reducer forwarded malformed parts; it forwarded
+not all the parts it combined (in time); the request was not for this auditor's span."""
+
+
+def wire_bytes(tensor: Any) -> bytes:
+    """A part's bytes as it travels (a runtime_pb2.Tensor)."""
+    return tensor.SerializeToString(deterministic=True)
+
+
+def project(seed: int, part_index: int, x: torch.Tensor) -> torch.Tensor:
+    """PROJECTIONS random projections of a part, drawn from `seed` and the part's index."""
+    flat = x.detach().reshape(-1).float()
+    generator = torch.Generator().manual_seed((seed + 7919 * part_index) % (1 << 62))
+    return torch.randn(PROJECTIONS, flat.numel(), generator=generator) @ flat
+
+
+def agree(seen: list[torch.Tensor], told: list[torch.Tensor]) -> bool:
+    """Projections of the same parts, within TOLERANCE of each other, part by part."""
+    if len(seen) != len(told):
+        return False
+    for a, b in zip(seen, told, strict=True):
+        size = max(float(a.norm()), float(b.norm()))
+        if not float((a - b).norm()) <= TOLERANCE * size + 1e-30:
+            return False
+    return True
+
+
+class AuditedRunner(RobustRunner):
+    """The robust all-reduce with every span audited (module docstring). `on_doubt` blames."""
+
+    def __init__(self, *, slander: float = 1.0, **kwargs: Any) -> None:
+        """`slander`: bench attack's lying auditor scales the projections it reports."""
+        self._slander = slander
+        kwargs["banned"] = set()  # reducers of audited rounds combine by what they can measure
+        super().__init__(**kwargs)
+        container = self.tensor_part_container
+        self._own_index = self.ordered_peer_ids.index(self.peer_id)
+        reducers = [i for i, n in enumerate(container.num_parts_by_peer) if n]
+        self._auditor = {s: reducers[(k + 1) % len(reducers)] for k, s in enumerate(reducers)}
+        self._audited = next((s for s, a in self._auditor.items() if a == self._own_index), None)
+        self._seeds = {s: secrets.randbits(62) for s in reducers}
+        self._seen: dict[int, dict[int, torch.Tensor]] = {s: {} for s in reducers}
+        self._sent = {s: hashlib.sha256() for s in reducers}
+        self._timeout = float(self.reducer_timeout or 10.0)
+        # as a reducer: the parts it holds until it combined them, then streams to its auditor
+        self._held: dict[tuple[int, int], Any] = {}
+        self._forward: asyncio.Queue = asyncio.Queue()
+        self._served = False
+        self.tensor_part_reducer.on_combined = self._combined
+        # as an auditor: the replayed averages (as members receive them) and forwarded hashes
+        loop = asyncio.get_event_loop()
+        self._replay: asyncio.Future = loop.create_future()
+        register = container.register_processed_part
+
+        def sketched(peer_index: int, part_index: int, average: torch.Tensor) -> None:
+            register(peer_index, part_index, average)  # checked first (robust.py)
+            seed = self._seeds[peer_index]
+            self._seen[peer_index][part_index] = project(seed, part_index, average)
+
+        container.register_processed_part = sketched
+
+    # --- as a sender --------------------------------------------------------------------------
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self._sent[peer_index].update(wire_bytes(message.tensor_part))
+            yield message
+
+    # --- as a reducer -------------------------------------------------------------------------
+
+    def _own_input(self, part_index: int, part: Any, info: Any) -> Any:
+        wire = self.tensor_part_container.compression.compress(part, info)
+        self._sent[self._own_index].update(wire_bytes(wire))
+        self._held[(self._own_sender, part_index)] = wire
+        return deserialize_torch_tensor(wire)
+
+    def _received(self, sender_index: int, part_index: int, wire: Any) -> None:
+        self._held[(sender_index, part_index)] = wire
+
+    def _combined(self, part_index: int, senders: list[int]) -> None:
+        for i in senders:
+            self._forward.put_nowait((part_index, i, self._held.pop((i, part_index), None)))
+        for key in [k for k in self._held if k[1] <= part_index]:
+            del self._held[key]  # parts of senders that failed before: never combined
+        if part_index == self.tensor_part_reducer.num_parts - 1:
+            self._forward.put_nowait(None)
+
+    async def _push_to_auditor(self) -> None:
+        auditor = self.ordered_peer_ids[self._auditor[self._own_index]]
+
+        async def messages() -> AsyncIterator[Any]:
+            while (item := await self._forward.get()) is not None:
+                part_index, sender, wire = item
+                message = averaging_pb2.AveragingData(
+                    code=averaging_pb2.PART_FOR_AVERAGING,
+                    group_id=self.group_id,
+                    peer_id=self.sender_peer_ids[sender].to_bytes(),
+                    tensor_part=wire,
+                    weight=float(part_index),
+                )
+                self.traffic.add(SENT, message)
+                yield message
+
+        stream = await self._get_peer_stub(auditor).rpc_audit_parts(messages())
+        async for reply in stream:
+            self._served = reply.code == averaging_pb2.AVERAGED_PART
+
+    # --- as the auditor -----------------------------------------------------------------------
+
+    async def take_forwarded(self, reducer: PeerID, stream: AsyncIterator[Any]) -> bool:
+        """Replays the span this member audits from the parts its reducer streams; False: the
+        caller is not that reducer."""
+        span = self._audited
+        if span is None or reducer != self.ordered_peer_ids[span] or self._replay.done():
+            return False
+        replayer = self.replay_reducer(span)
+        hashes = [hashlib.sha256() for _ in self.sender_peer_ids]
+        outputs: list[torch.Tensor] = []
+        parts: dict[int, torch.Tensor] = {}
+        current = 0
+        loop = asyncio.get_event_loop()
+        try:
+            async for message in aiter_with_timeout(stream, self._timeout):
+                self.traffic.add(RECEIVED, message)
+                part_index = int(message.weight)
+                sender = self.sender_peer_ids.index(PeerID(message.peer_id))
+                if part_index == current + 1 and parts:
+                    outputs.append(self._replayed(replayer, current, parts))
+                    parts, current = {}, part_index
+                if part_index != current or sender in parts:
+                    raise ValueError(f"part {part_index} of sender {sender} out of order")
+                part = await loop.run_in_executor(
+                    None, deserialize_torch_tensor, message.tensor_part
+                )
+                if part.shape != replayer.part_shapes[current] or not part.is_floating_point():
+                    raise ValueError(f"a part of {part.dtype} {tuple(part.shape)}")
+                hashes[sender].update(wire_bytes(message.tensor_part))
+                parts[sender] = part.float()
+            if parts:
+                outputs.append(self._replayed(replayer, current, parts))
+        except asyncio.TimeoutError:
+            self._replay.set_result((SILENT, "stopped forwarding the parts it combined", []))
+            return True
+        except Exception as e:  # anything the reducer forwarded that an honest one cannot
+            self._replay.set_result((MISMATCH, f"forwarded malformed parts ({e})", []))
+            return True
+        if len(outputs) != replayer.num_parts:
+            why = f"forwarded the parts of {len(outputs)} of {replayer.num_parts} averages"
+            self._replay.set_result((SILENT, why, []))
+        else:
+            self._replay.set_result((OK, "", outputs, [h.digest() for h in hashes]))
+        return True
+
+    def _replayed(
+        self, replayer: RobustReducer, part_index: int, parts: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """The average an honest reducer sends for one part, as every member receives it."""
+        replayer.current_part_index = part_index
+        replayer.parts = parts
+        average = replayer._combine()
+        info = self.span_parts[self._audited][part_index][1]
+        return deserialize_torch_tensor(
+            self.tensor_part_container.compression.compress(average, info)
+        )
+
+    async def _replayed_or_silent(self) -> tuple:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._replay), self._timeout)
+        except asyncio.TimeoutError:
+            if not self._replay.done():
+                self._replay.set_result((SILENT, "forwarded none of the parts it combined", []))
+            return self._replay.result()
+
+    async def _audit(self) -> str:
+        """This member's verdict on the span it audits: its replay against the averages it
+        received ("" when they agree)."""
+        span = self._audited
+        status, why, outputs = (await self._replayed_or_silent())[:3]
+        if status == OK:
+            seed = self._seeds[span]
+            told = [project(seed, k, x) for k, x in enumerate(outputs)]
+            seen = [self._seen[span][k] for k in sorted(self._seen[span])]
+            if agree(seen, told):
+                return ""
+            why = "sent averages that differ from the audit's replay"
+        reducer = self.ordered_peer_ids[span]
+        self._on_doubt(reducer, f"{why} (audit; its round discarded)")
+        return f"{reducer} {why}"
+
+    async def answer(self, requester: PeerID, span: int, seed: int) -> dict[str, Any]:
+        """The verdict on span `span` for a member that drew `seed`: from the replay alone, so
+        a member whose own round broke still answers."""
+        if span != self._audited or requester not in self.sender_peer_ids:
+            return {"status": FAILED}
+        replay = await self._replayed_or_silent()
+        if replay[0] != OK:
+            return {"status": replay[0]}
+        _, _, outputs, hashes = replay
+        return {
+            "status": OK,
+            "projections": [
+                (project(seed, k, x) * self._slander).tolist() for k, x in enumerate(outputs)
+            ],
+            "parts": hashes[self.sender_peer_ids.index(requester)],
+        }
+
+    # --- every member -------------------------------------------------------------------------
+
+    async def run(self) -> AsyncIterator[torch.Tensor]:
+        push = None
+        if self._own_index in self._auditor:
+            push = asyncio.create_task(self._push_to_auditor())
+        try:
+            async for tensor in super().run():
+                yield tensor
+            failures = await self._conclude()
+        finally:
+            if push is not None and not push.done():
+                push.cancel()
+        if failures:
+            raise AllreduceException(f"audit: {'; '.join(failures)}")
+
+    async def _conclude(self) -> list[str]:
+        """Every span's verdict, checked against what this member received (and sent)."""
+        spans = [s for s in self._auditor if s != self._audited]
+        own = asyncio.create_task(self._audit()) if self._audited is not None else None
+        answers = await asyncio.gather(*(self._ask(s) for s in spans))
+        if own is not None:
+            answers.append(await own)
+        return [why for why in answers if why]
+
+    async def _ask(self, span: int) -> str:
+        """Why this member's view of `span` fails its auditor's verdict ("" when it holds)."""
+        auditor = self.ordered_peer_ids[self._auditor[span]]
+        reducer = self.ordered_peer_ids[span]
+        mine = span == self._own_index  # this member reduced it, and knows it did so honestly
+        blame: Callable[[str], None] = (
+            (lambda why: self._on_doubt(auditor, f"{why} (audit; its round discarded)"))
+            if mine
+            else (lambda why: None)
+        )
+        request = averaging_pb2.AveragingData(
+            group_id=self.group_id,
+            weight=float(span),
+            peer_id=self._seeds[span].to_bytes(8, "big"),
+        )
+        try:
+            self.traffic.add(SENT, request)
+            reply = await asyncio.wait_for(
+                self._get_peer_stub(auditor).rpc_audit_verdict(request), 2 * self._timeout
+            )
+            self.traffic.add(RECEIVED, reply)
+            told = MSGPackSerializer.loads(reply.peer_id) if reply.peer_id else {}
+            status = told.get("status", FAILED) if isinstance(told, dict) else FAILED
+        except Exception as e:
+            status, told = f"{type(e).__name__}", {}
+        if status not in (OK, SILENT, MISMATCH):  # an honest auditor always answers
+            self._on_doubt(auditor, "gave no audit verdict (its round discarded)")
+            return f"{auditor} gave no audit verdict ({status})"
+        if status == SILENT:
+            if self._served:
+                blame("claims to have no parts this member forwarded")
+            return f"{auditor} says {reducer} forwarded not all the parts it combined"
+        if status == MISMATCH:
+            blame("took the parts this member forwarded for malformed")
+            return f"{auditor} found the parts {reducer} forwarded malformed"
+        try:
+            projections = [torch.tensor(p, dtype=torch.float32) for p in told["projections"]]
+            seen = [self._seen[span][k] for k in sorted(self._seen[span])]
+            same_parts = told["parts"] == self._sent[span].digest()
+            same_averages = agree(seen, projections)
+        except Exception:
+            blame("sent a malformed verdict")
+            return f"{auditor} sent a malformed verdict"
+        if not same_parts:
+            blame("reports other parts than this member forwarded")
+            return f"{reducer} forwarded other parts as this member's, or {auditor} says so"
+        if not same_averages:
+            blame("reports other averages than this member sent")
+            return f"{reducer}'s averages to this member differ from {auditor}'s replay"
+        return ""
