@@ -207,6 +207,8 @@ class AuditedRunner(RobustRunner):
         except Exception as e:  # anything the reducer forwarded that an honest one cannot
             self._replay.set_result((MISMATCH, f"forwarded malformed parts ({e})", []))
             return True
+        finally:
+            replayer.finished.set()  # fed directly, never through its accumulators
         if len(outputs) != replayer.num_parts:
             why = f"forwarded the parts of {len(outputs)} of {replayer.num_parts} averages"
             self._replay.set_result((SILENT, why, []))
