@@ -184,6 +184,10 @@ class PeerSection:
     the owner admitted takes part without the owner's key."""
     defend: bool = True
     """Check every contribution and downloaded state; aggregate robustly (peer/robust.py)."""
+    audit: bool = True
+    """With `defend`: a second member recomputes each span of every round (peer/audit.py), so a
+    reducer that lies is caught; each reducer forwards the parts it combined, about 1.7x the
+    bytes of a round with 4 members."""
     attack: str = ""
     """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale,
     push: a directed push with inflated token counts)."""

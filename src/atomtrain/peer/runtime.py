@@ -270,7 +270,9 @@ class PeerRuntime:
             self.cfg.target_group_size,
             self._shared_state,
             MemberGate(self.membership, self.cfg.swarm),
-            Defence(min_scale=self.lr * MIN_SCALE_STEPS) if self.cfg.defend else None,
+            Defence(min_scale=self.lr * MIN_SCALE_STEPS, audit=self.cfg.audit)
+            if self.cfg.defend
+            else None,
             attack=self.cfg.attack,
         )
         self.checker = StateCheck(self)
