@@ -62,7 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--attacks",
         default="all",
         help="comma-separated (nan, scale, noise, stale, sign_flip, alie, ipm, label_flip, push, "
-        "inflate, sybil, dht_overwrite, stall, forge_gather), or all",
+        "inflate, sybil, dht_overwrite, stall, forge_gather, lying_reducer, lying_auditor), "
+        "or all",
     )
     a.add_argument("--out-dir", default="runs/bench-attack", help="where the peers' runs go")
     a.set_defaults(func=run_attack)

@@ -23,16 +23,18 @@ float16 copy keeps this member's own contribution: the runtime needs it to apply
 so every attempt restarts from that copy. Both live in shared memory, read by hivemind's process.
 
 The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
-(robust.py) and excludes from its next rounds (`STALL_ROUNDS`, doubled at each repeat, one
-repeat forgiven every `FORGIVE_ROUNDS` quiet rounds) any member
-that stalled a round: one that joined the group and then sent nothing, or reduced nothing
-(exact.py tells which), or reduced its span to averages beyond what an honest reducer returns
-(robust.reducer_bounds). Counted in rounds rather than banned for good, since an honest peer
+(robust.py), has a second member replay each span's reduction (audit.py: the round is discarded
+before anything is applied when a replay and the averages received differ), and excludes from
+its next rounds (`STALL_ROUNDS`, doubled at each repeat, one repeat forgiven every
+`FORGIVE_ROUNDS` quiet rounds) any member that stalled a round: one that joined the group and
+then sent nothing, or reduced nothing (exact.py tells which), or reduced its span to averages
+beyond what an honest reducer returns (robust.reducer_bounds), or that an audit showed lying as
+a reducer or an auditor. Counted in rounds rather than banned for good, since an honest peer
 frozen for a while (or cut off), or an honest reducer left with fewer than three parts, can look
-the same. A group
-that holds a member this one excludes or banned does not make it abort (that would spoil the
-round for the others too): it takes part, drops that member's parts where it reduces, and
-discards the round for itself only.
+the same. A group that holds a member this one excludes or banned does not make it abort (that
+would spoil the round for the others too): it takes part and discards the round for itself
+only; where it reduces, it drops that member's parts (audited rounds: it combines them as any
+others, by what it measures, so that its auditor's replay agrees).
 """
 
 from __future__ import annotations

@@ -30,10 +30,9 @@ them). A reducer that returns non-finite values is rejected and banned like a se
 its bound is doubted: the round is discarded and the reducer left out of the next rounds for a
 while, as a member that stalls (longer each time), not banned, since an honest reducer can land
 there too (one left with fewer than three parts centers on its own part). One that lies within
-the bound is not caught: it can move its span's average by a few typical updates each round (up
-to about 40 where it centers on its own part); `lying_reducer` in bench attack measures what that
-costs. Only redundant reduction or cross-checks of the reducers' inputs (BTARD) would bound it
-further.
+the bound is caught by the span's auditor instead (audit.py: a second member replays every
+reduction, `Defence.audit`); without the audit it could move its span's average by a few typical
+updates each round (up to about 40 where it centers on its own part), unseen.
 """
 
 from __future__ import annotations
