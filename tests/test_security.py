@@ -634,6 +634,30 @@ def test_the_reducer_drops_bad_parts_and_clips_outliers():
     assert torch.allclose(avg, (own + honest) / 2) and [i for i, _ in rejected] == [2]
 
 
+def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():
+    """The auditor's replay (the parts as forwarded, in any arrival order) gives the reducer's
+    average bit for bit; projections by a seed tolerate the codec's rounding of a last bit in a
+    few elements and catch a lie of 1% of the part's size."""
+    from atomtrain.peer.audit import agree, project
+
+    g = torch.Generator().manual_seed(3)
+    parts = {i: torch.randn(100, generator=g) * (1 + i) for i in range(4)}
+    parts[3] = parts[3] * 30  # one far part: clipped
+    forward, _ = reduce_one_part(parts)
+    backward, _ = reduce_one_part(dict(reversed(list(parts.items()))))
+    assert torch.equal(forward, backward)
+
+    x = torch.randn(200_000, generator=g) * 1e-3
+    rounded = x.clone()
+    rounded[:20] += x.abs().max() / 127  # an 8-bit step, the other way, in 20 elements
+    seed = 123456789
+    assert agree([project(seed, 0, x)], [project(seed, 0, rounded)])
+    lie = x + 0.01 * x.norm() * torch.nn.functional.normalize(torch.randn(200_000), dim=0)
+    assert not agree([project(seed, 0, x)], [project(seed, 0, lie)])
+    assert not agree([project(seed, 0, x)], [project(seed + 1, 0, x)])  # the seed matters
+    assert not agree([project(seed, 0, x)], [])  # a part missing
+
+
 def test_no_honest_reducer_is_taken_for_a_liar_when_members_have_just_joined():
     """Honest updates share a descent direction (weakly to strongly); members that have just
     joined or re-synchronized bring updates 3-10x smaller than the others'. Whichever member

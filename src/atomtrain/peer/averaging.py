@@ -107,7 +107,7 @@ malformed metadata; no certificate this peer could read names a member."""
 STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
 follower, never asked as a leader), twice as many at each further stall."""
-AUDITS_KEPT = 4
+AUDITS_KEPT = 2
 """Audited all-reduces whose replays a member keeps for the members that ask after it ends."""
 FORGIVE_ROUNDS = 32
 """Each this many rounds of this peer's without a further stall, counted from the end of the
