@@ -102,3 +102,24 @@ def test_the_attack_report_compares_with_clean_and_counts_rounds_until_rejected(
         ]
         == 1
     )
+
+
+def test_the_attack_report_counts_exclusions_apart_from_bans():
+    """A lying reducer is left out for a while (stalled_peers), never banned: the report says
+    when each honest peer first left it out, and names an honest peer left out by another."""
+    clean = [run([3.0, 3.0], None)]
+    liar = run([3.0, 3.0])
+    for log in liar.records:
+        for r in log[1:5]:  # caught in round 1's audit: never in an applied round again
+            r["group"] = ["h0", "h1"]
+        log[0]["group"] = ["h0", "h1"]  # its round 1 was discarded: not applied with it
+        log[1]["stalled_peers"] = ["a"]
+    report = attack_report(clean, {"lying_reducer": {"defended": [liar]}})["attacks"][0]
+    (n,) = report["neutralized"]
+    assert n["rounds_until_rejected"] is None and not n["rejected_by_all"]
+    assert n["rounds_until_left_out"] == 0 and n["left_out_by_all"]
+    assert n["rounds_applied_with_attacker"] == 0
+    assert report["honest_peers_left_out"] == 0 and report["honest_peers_rejected"] == 0
+    liar.records[0][2]["stalled_peers"] = ["h1"]  # an honest peer blamed
+    report = attack_report(clean, {"lying_reducer": {"defended": [liar]}})["attacks"][0]
+    assert report["honest_peers_left_out"] == 1

@@ -41,12 +41,21 @@ def honest_rejected(run: SwarmRun) -> int:
     return len(named & set(run.honest))
 
 
-def rounds_with_attacker(log: Records, attacker: str) -> tuple[int, bool]:
-    """(rounds this peer applied with the attacker in its group before rejecting it, whether it
-    rejected it)."""
+def honest_left_out(run: SwarmRun) -> int:
+    """Honest peers that some honest peer left out of its next rounds (a stall, or a lie its
+    audits showed: averaging.py), which costs rounds rather than a ban."""
+    named = {name for log in run.records for r in log for name in r.get("stalled_peers", ())}
+    return len(named & set(run.honest))
+
+
+def rounds_with_attacker(
+    log: Records, attacker: str, keys: tuple[str, ...] = ("rejected_peers",)
+) -> tuple[int, bool]:
+    """(rounds this peer applied with the attacker in its group before it first named it under
+    one of `keys`, whether it did)."""
     rounds = 0
     for r in log:
-        if attacker in r.get("rejected_peers", ()):
+        if any(attacker in r.get(key, ()) for key in keys):
             return rounds, True
         if attacker in r.get("group", ()):
             rounds += 1
@@ -60,13 +69,22 @@ def neutralized(run: SwarmRun) -> dict[str, Any]:
         return {
             "rounds_until_rejected": None,
             "rejected_by_all": False,
+            "rounds_until_left_out": None,
+            "left_out_by_all": False,
             "rounds_applied_with_attacker": 0,
         }
     seen = [rounds_with_attacker(log, run.attacker) for log in run.records]
+    either = ("rejected_peers", "stalled_peers")
+    out_ = [rounds_with_attacker(log, run.attacker, either) for log in run.records]
     out = {
         "rounds_until_rejected": max(n for n, _ in seen) if all(r for _, r in seen) else None,
         "rejected_by_all": all(r for _, r in seen),
-        "rounds_applied_with_attacker": max((n for n, _ in seen), default=0),
+        # or left out for a while (a lying reducer or auditor, a staller): not banned
+        "rounds_until_left_out": max(n for n, _ in out_) if all(r for _, r in out_) else None,
+        "left_out_by_all": all(r for _, r in out_),
+        "rounds_applied_with_attacker": max(
+            sum(1 for r in log if run.attacker in r.get("group", ())) for log in run.records
+        ),
     }
     if run.sybils:  # rounds an honest peer applied with one of the sybils in its group
         out["rounds_applied_with_sybils"] = max(
@@ -103,6 +121,7 @@ def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRu
                 "defended_vs_clean": ratio,
                 "defended_within_5pct": ratio is not None and ratio <= 1.05,
                 "honest_peers_rejected": max((honest_rejected(r) for r in defended), default=0),
+                "honest_peers_left_out": max((honest_left_out(r) for r in defended), default=0),
                 "neutralized": [neutralized(r) for r in defended],
             }
         )
@@ -115,6 +134,10 @@ def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRu
             "most 5% above the clean median; neutralized, per seed: rounds an honest peer "
             "applied with the attacker in its group before rejecting it (the most over honest "
             "peers; null when some honest peer never rejected it: its influence is then only "
-            "bounded by the robust aggregation)"
+            "bounded by the robust aggregation); rounds_until_left_out: the same, counting an "
+            "exclusion for a while as well (lying reducers and auditors, stallers); "
+            "rounds_applied_with_attacker: all the rounds an honest peer applied with it in "
+            "its group; honest_peers_left_out: honest peers another honest peer excluded for "
+            "a while"
         ),
     }
