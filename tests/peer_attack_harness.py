@@ -10,7 +10,8 @@ peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, eve
 longer than the round's timeout. With `forge_gather`, peer 2 trains honestly, starts each round
 first (so it leads) and sends its followers another member's metadata rewritten. With
 `lying_reducer` (or `lying_reducer_far`: 20 typical updates, past what members accept), peer 2
-sends honestly and moves the average of the span it reduces.
+sends honestly and moves the average of the span it reduces. With `forging_reducer`, peer 2
+reduces honestly and forwards its auditor its own part in place of every other member's.
 """
 
 import contextlib
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 from hivemind import DHT
 
-from atomtrain.peer import averaging
+from atomtrain.peer import audit, averaging
 from atomtrain.peer.attack import claimed_tokens, poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
@@ -107,6 +108,16 @@ def main() -> None:
     declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
     if attack == "lying_reducer_far":  # the averager's process is forked from this one
         averaging.lie_sizes, attack = (lambda factor: 20.0), "lying_reducer"
+    if attack == "forging_reducer" and index == 2:  # forwards its own part as everyone's
+        combined = audit.AuditedRunner._combined
+
+        def forged(self, part_index, senders):
+            own = self._held.get((self._own_sender, part_index))
+            for i in senders:
+                self._held[(i, part_index)] = own
+            combined(self, part_index, senders)
+
+        audit.AuditedRunner._combined = forged
     avg = ProbedAverager(
         dht,
         "atk_avg",

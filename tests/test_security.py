@@ -256,6 +256,20 @@ def test_a_lying_reducer_is_caught_by_its_auditor_and_its_lie_never_lands(tmp_pa
     assert shifts and max(shifts) >= 4.0, shifts  # the lie lands where nothing audits
 
 
+def test_a_reducer_that_forwards_its_auditor_other_parts_is_caught_by_it(tmp_path: Path):
+    """Peer 2 reduces honestly but forwards its own part in place of every other member's (as
+    a reducer fitting a lie would): the auditor finds its own part replaced and leaves peer 2
+    out; every other member finds its part replaced and discards the round."""
+    outs = run_round(tmp_path, "forging_reducer", defend=True)
+    landed = [r for out in outs.values() for r in out["rounds"] if not r["failed"]]
+    assert landed, "the honest peers never averaged together"
+    for r in landed:
+        assert r["group"] == 2 and torch.allclose(r["delta"], honest_mean(), atol=1e-6)
+    blamed = [(name, why) for out in outs.values() for name, why in out["stalled"]]
+    assert blamed and all(name == "h2" for name, _ in blamed), blamed
+    assert any("another part as this member's" in why for _, why in blamed), blamed
+
+
 def test_an_auditor_that_slanders_an_honest_reducer_is_left_out_by_it(tmp_path: Path):
     """Peer 2 trains, sends and reduces honestly, and as an auditor reports projections 10% off
     the true ones. The reducer it slanders knows its averages are honest and leaves peer 2 out;

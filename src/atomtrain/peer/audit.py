@@ -80,6 +80,15 @@ def project(seed: int, part_index: int, x: torch.Tensor) -> torch.Tensor:
     return torch.randn(PROJECTIONS, flat.numel(), generator=generator) @ flat
 
 
+def forwarded_as_sent(forwarded: list[bytes], sent: list[bytes]) -> bool | None:
+    """Whether the parts a reducer forwarded as a member's are those the member sent (per-part
+    hashes): True; False: others; None: the first of them only (the member stopped sending, and
+    the reducer combined what came: no one's fault that shows)."""
+    if forwarded == sent:
+        return True
+    return None if sent[: len(forwarded)] == forwarded else False
+
+
 def agree(seen: list[torch.Tensor], told: list[torch.Tensor]) -> bool:
     """Projections of the same parts, within TOLERANCE of each other, part by part."""
     if len(seen) != len(told):
@@ -105,39 +114,48 @@ class AuditedRunner(RobustRunner):
         self._auditor = {s: reducers[(k + 1) % len(reducers)] for k, s in enumerate(reducers)}
         self._audited = next((s for s, a in self._auditor.items() if a == self._own_index), None)
         self._seeds = {s: secrets.randbits(62) for s in reducers}
-        self._seen: dict[int, dict[int, torch.Tensor]] = {s: {} for s in reducers}
-        self._sent = {s: hashlib.sha256() for s in reducers}
-        self._timeout = float(self.reducer_timeout or 10.0)
+        # projections of the averages received, computed off the event loop, per span and part
+        self._seen: dict[int, dict[int, asyncio.Future]] = {s: {} for s in reducers}
+        self._fell_back: set[int] = set()  # spans whose reducer failed: our own part stands in
+        self._sent: dict[int, list[bytes]] = {s: [] for s in reducers}  # per-part hashes
+        self._timeout = float(self.sender_timeout or 10.0)
         # as a reducer: the parts it holds until it combined them, then streams to its auditor
         self._held: dict[tuple[int, int], Any] = {}
         self._forward: asyncio.Queue = asyncio.Queue()
-        self._served = False
         self.tensor_part_reducer.on_combined = self._combined
-        # as an auditor: the replayed averages (as members receive them) and forwarded hashes
-        loop = asyncio.get_event_loop()
-        self._replay: asyncio.Future = loop.create_future()
+        # as an auditor: the replayed averages (on the wire) and the forwarded parts' hashes
+        self._loop = asyncio.get_event_loop()
+        self._replay: asyncio.Future = self._loop.create_future()
         self._answered: set[PeerID] = set()
         register = container.register_processed_part
+        fall_back = container.register_failed_reducer
 
         def sketched(peer_index: int, part_index: int, average: torch.Tensor) -> None:
             register(peer_index, part_index, average)  # checked first (robust.py)
             seed = self._seeds[peer_index]
-            self._seen[peer_index][part_index] = project(seed, part_index, average)
+            self._seen[peer_index][part_index] = self._loop.run_in_executor(
+                None, project, seed, part_index, average
+            )
+
+        def failed(peer_index: int) -> None:
+            self._fell_back.add(peer_index)
+            fall_back(peer_index)
 
         container.register_processed_part = sketched
+        container.register_failed_reducer = failed
 
     # --- as a sender --------------------------------------------------------------------------
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
         async for message in super()._generate_input_for_peer(peer_index):
-            self._sent[peer_index].update(wire_bytes(message.tensor_part))
+            self._sent[peer_index].append(hashlib.sha256(wire_bytes(message.tensor_part)).digest())
             yield message
 
     # --- as a reducer -------------------------------------------------------------------------
 
     def _own_input(self, part_index: int, part: Any, info: Any) -> Any:
         wire = self.tensor_part_container.compression.compress(part, info)
-        self._sent[self._own_index].update(wire_bytes(wire))
+        self._sent[self._own_index].append(hashlib.sha256(wire_bytes(wire)).digest())
         self._held[(self._own_sender, part_index)] = wire
         return deserialize_torch_tensor(wire)
 
@@ -170,12 +188,26 @@ class AuditedRunner(RobustRunner):
 
         try:
             stream = await self._get_peer_stub(auditor).rpc_audit_parts(messages())
-            async for reply in stream:
-                self._served = reply.code == averaging_pb2.AVERAGED_PART
+            async for _ in stream:
+                pass
         except Exception as e:  # the auditor's verdict says what it got
             log.debug(f"forwarding to the auditor {auditor} failed: {e!r}")
+        finally:
+            self._held.clear()
+            while not self._forward.empty():
+                self._forward.get_nowait()
 
     # --- as the auditor -----------------------------------------------------------------------
+
+    def _settle(self, *replay: Any) -> None:
+        if not self._replay.done():
+            self._replay.set_result(replay)
+            # kept for the members that ask; let go in any case well after the round
+            self._loop.call_later(4 * self._timeout, self._forget)
+
+    def _forget(self) -> None:
+        if len(self._replay.result()) > 2:
+            self._replay.result()[2].clear()
 
     async def take_forwarded(self, reducer: PeerID, stream: AsyncIterator[Any]) -> bool:
         """Replays the span this member audits from the parts its reducer streams; False: the
@@ -184,55 +216,57 @@ class AuditedRunner(RobustRunner):
         if span is None or reducer != self.ordered_peer_ids[span] or self._replay.done():
             return False
         replayer = self.replay_reducer(span)
-        hashes = [hashlib.sha256() for _ in self.sender_peer_ids]
-        outputs: list[torch.Tensor] = []
+        hashes: list[list[bytes]] = [[] for _ in self.sender_peer_ids]
+        outputs: list[Any] = []
         parts: dict[int, torch.Tensor] = {}
         current = 0
-        loop = asyncio.get_event_loop()
         try:
             async for message in aiter_with_timeout(stream, self._timeout):
                 self.traffic.add(RECEIVED, message)
                 part_index = int(message.weight)
                 sender = self.sender_peer_ids.index(PeerID(message.peer_id))
                 if part_index == current + 1 and parts:
-                    outputs.append(self._replayed(replayer, current, parts))
+                    outputs.append(await self._replayed(replayer, current, parts))
                     parts, current = {}, part_index
                 if part_index != current or sender in parts:
                     raise ValueError(f"part {part_index} of sender {sender} out of order")
-                part = await loop.run_in_executor(
+                part = await self._loop.run_in_executor(
                     None, deserialize_torch_tensor, message.tensor_part
                 )
                 if part.shape != replayer.part_shapes[current] or not part.is_floating_point():
                     raise ValueError(f"a part of {part.dtype} {tuple(part.shape)}")
-                hashes[sender].update(wire_bytes(message.tensor_part))
-                parts[sender] = part.float()
+                hashes[sender].append(hashlib.sha256(wire_bytes(message.tensor_part)).digest())
+                parts[sender] = part.detach().float().clone()  # as the reducer holds it
             if parts:
-                outputs.append(self._replayed(replayer, current, parts))
+                outputs.append(await self._replayed(replayer, current, parts))
         except asyncio.TimeoutError:
-            self._replay.set_result((SILENT, "stopped forwarding the parts it combined", []))
+            self._settle(SILENT, "stopped forwarding the parts it combined", [])
             return True
         except Exception as e:  # anything the reducer forwarded that an honest one cannot
-            self._replay.set_result((MISMATCH, f"forwarded malformed parts ({e})", []))
+            self._settle(MISMATCH, f"forwarded malformed parts ({e})", [])
             return True
         finally:
             replayer.finished.set()  # fed directly, never through its accumulators
         if len(outputs) != replayer.num_parts:
             why = f"forwarded the parts of {len(outputs)} of {replayer.num_parts} averages"
-            self._replay.set_result((SILENT, why, []))
+            self._settle(SILENT, why, [])
         else:
-            self._replay.set_result((OK, "", outputs, [h.digest() for h in hashes]))
+            self._settle(OK, "", outputs, hashes)
         return True
 
-    def _replayed(
+    async def _replayed(
         self, replayer: RobustReducer, part_index: int, parts: dict[int, torch.Tensor]
     ) -> Any:
         """The average an honest reducer sends for one part, on the wire (kept so until every
         member has asked: a quarter of the float32 span's size with the 8-bit codec)."""
-        replayer.current_part_index = part_index
-        replayer.parts = parts
-        average = replayer._combine()
         info = self.span_parts[self._audited][part_index][1]
-        return self.tensor_part_container.compression.compress(average, info)
+
+        def replay() -> Any:
+            replayer.current_part_index = part_index
+            replayer.parts = parts
+            return self.tensor_part_container.compression.compress(replayer._combine(), info)
+
+        return await self._loop.run_in_executor(None, replay)
 
     def _projections(self, seed: int, outputs: list[Any]) -> list[torch.Tensor]:
         return [project(seed, k, deserialize_torch_tensor(x)) for k, x in enumerate(outputs)]
@@ -241,25 +275,38 @@ class AuditedRunner(RobustRunner):
         try:
             return await asyncio.wait_for(asyncio.shield(self._replay), self._timeout)
         except asyncio.TimeoutError:
-            if not self._replay.done():
-                self._replay.set_result((SILENT, "forwarded none of the parts it combined", []))
+            self._settle(SILENT, "forwarded none of the parts it combined", [])
             return self._replay.result()
 
     async def _audit(self) -> str:
         """This member's verdict on the span it audits: its replay against the averages it
-        received ("" when they agree)."""
+        received and the parts it sent ("" when they agree)."""
         span = self._audited
-        status, why, outputs = (await self._replayed_or_silent())[:3]
-        if status == OK:
-            told = self._projections(self._seeds[span], outputs)
-            self._release(outputs, self.peer_id)
-            seen = [self._seen[span][k] for k in sorted(self._seen[span])]
-            if agree(seen, told):
-                return ""
-            why = "sent averages that differ from the audit's replay"
         reducer = self.ordered_peer_ids[span]
+        if span in self._fell_back:  # the reducer failed on us: the probes discard the round
+            return f"{reducer} sent not all its averages"
+        replay = await self._replayed_or_silent()
+        status, why, outputs = replay[:3]
+        if status == OK:
+            mine = forwarded_as_sent(replay[3][self._own_sender], self._sent[span])
+            if mine is None:
+                return f"{reducer} combined only the first of this member's parts"
+            if not mine:
+                status, why = MISMATCH, "forwarded another part as this member's"
+            else:
+                told = await self._loop.run_in_executor(
+                    None, self._projections, self._seeds[span], outputs
+                )
+                self._release(outputs, self.peer_id)
+                if agree(await self._seen_of(span), told):
+                    return ""
+                status, why = MISMATCH, "sent averages that differ from the audit's replay"
         self._on_doubt(reducer, f"{why} (audit; its round discarded)")
         return f"{reducer} {why}"
+
+    async def _seen_of(self, span: int) -> list[torch.Tensor]:
+        seen = self._seen[span]
+        return list(await asyncio.gather(*(seen[k] for k in sorted(seen))))
 
     def _release(self, outputs: list[Any], user: PeerID) -> None:
         """Let the replay go once every member (this one too) has used it."""
@@ -277,8 +324,8 @@ class AuditedRunner(RobustRunner):
             return {"status": replay[0]}
         _, _, outputs, hashes = replay
         if not outputs:
-            return {"status": FAILED}  # asked twice: answered already, and let go
-        projections = self._projections(seed, outputs)
+            return {"status": FAILED}  # asked twice, or long after: let go
+        projections = await self._loop.run_in_executor(None, self._projections, seed, outputs)
         self._release(outputs, requester)
         return {
             "status": OK,
@@ -297,18 +344,18 @@ class AuditedRunner(RobustRunner):
                 yield tensor
             failures = await self._conclude()
         finally:
-            if push is not None and not push.done():
-                push.cancel()
+            if push is not None and not push.done():  # it may still finish: the auditor asks
+                self._loop.call_later(2 * self._timeout, push.cancel)
         if failures:
             raise AllreduceException(f"audit: {'; '.join(failures)}")
 
     async def _conclude(self) -> list[str]:
         """Every span's verdict, checked against what this member received (and sent)."""
         spans = [s for s in self._auditor if s != self._audited]
-        own = asyncio.create_task(self._audit()) if self._audited is not None else None
-        answers = await asyncio.gather(*(self._ask(s) for s in spans))
-        if own is not None:
-            answers.append(await own)
+        checks = [self._ask(s) for s in spans]
+        if self._audited is not None:
+            checks.append(self._audit())
+        answers = await asyncio.gather(*checks)
         return [why for why in answers if why]
 
     async def _ask(self, span: int) -> str:
@@ -321,6 +368,8 @@ class AuditedRunner(RobustRunner):
             if mine
             else (lambda why: None)
         )
+        if span in self._fell_back:  # the reducer failed on us: the probes discard the round
+            return f"{reducer} sent not all its averages"
         request = averaging_pb2.AveragingData(
             group_id=self.group_id,
             weight=float(span),
@@ -329,7 +378,7 @@ class AuditedRunner(RobustRunner):
         try:
             self.traffic.add(SENT, request)
             reply = await asyncio.wait_for(
-                self._get_peer_stub(auditor).rpc_audit_verdict(request), 2 * self._timeout
+                self._get_peer_stub(auditor).rpc_audit_verdict(request), 1.5 * self._timeout
             )
             self.traffic.add(RECEIVED, reply)
             told = MSGPackSerializer.loads(reply.peer_id) if reply.peer_id else {}
@@ -339,21 +388,21 @@ class AuditedRunner(RobustRunner):
         if status not in (OK, SILENT, MISMATCH):  # an honest auditor always answers
             self._on_doubt(auditor, "gave no audit verdict (its round discarded)")
             return f"{auditor} gave no audit verdict ({status})"
-        if status == SILENT:
-            if self._served:
-                blame("claims to have no parts this member forwarded")
+        if status == SILENT:  # this member, its reducer, forwarded all it combined
+            blame("claims this member did not forward the parts it combined")
             return f"{auditor} says {reducer} forwarded not all the parts it combined"
         if status == MISMATCH:
             blame("took the parts this member forwarded for malformed")
             return f"{auditor} found the parts {reducer} forwarded malformed"
         try:
             projections = [torch.tensor(p, dtype=torch.float32) for p in told["projections"]]
-            seen = [self._seen[span][k] for k in sorted(self._seen[span])]
-            same_parts = told["parts"] == self._sent[span].digest()
-            same_averages = agree(seen, projections)
+            same_parts = forwarded_as_sent(list(told["parts"]), self._sent[span])
+            same_averages = agree(await self._seen_of(span), projections)
         except Exception:
             blame("sent a malformed verdict")
             return f"{auditor} sent a malformed verdict"
+        if same_parts is None:
+            return f"{reducer} combined only the first of this member's parts"
         if not same_parts:
             blame("reports other parts than this member forwarded")
             return f"{reducer} forwarded other parts as this member's, or {auditor} says so"

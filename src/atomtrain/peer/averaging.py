@@ -107,8 +107,9 @@ malformed metadata; no certificate this peer could read names a member."""
 STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
 follower, never asked as a leader), twice as many at each further stall."""
-AUDITS_KEPT = 2
-"""Audited all-reduces whose replays a member keeps for the members that ask after it ends."""
+AUDITS_KEPT = 8
+"""Audited all-reduces a member keeps for the members that ask after it ends (each lets its
+replay go once every member asked, or some seconds after the round)."""
 FORGIVE_ROUNDS = 32
 """Each this many rounds of this peer's without a further stall, counted from the end of the
 member's last exclusion, forgive it one stall: an honest peer whose link failed now and then
@@ -579,7 +580,10 @@ class GuardedAverager(DecentralizedAverager):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """The reducer of the span this member audits streams the parts it combined (audit.py)."""
-        first = await anext(stream)
+        try:
+            first = await asyncio.wait_for(anext(stream), self._window_s)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            return
         runner = await self._audited_runner(first.group_id, context.remote_id)
         if runner is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)

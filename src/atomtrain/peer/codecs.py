@@ -31,6 +31,11 @@ BLOCK = 1024
 """Elements of a block of the 8-bit codec."""
 
 
+def dtype_name(tensor: torch.Tensor) -> str:
+    """The tensor's dtype as hivemind's messages name it (a tensor that requires grad too)."""
+    return "bfloat16" if tensor.dtype == torch.bfloat16 else tensor.detach().numpy().dtype.name
+
+
 class Uniform4BitQuantization(CompressionBase):
     compression_type = runtime_pb2.BLOCKWISE_8BIT  # the reused slot (see the module docstring)
 
@@ -48,7 +53,7 @@ class Uniform4BitQuantization(CompressionBase):
             compression=self.compression_type,
             buffer=codebook.numpy().astype(np.float32).tobytes() + packed.tobytes(),
             size=tensor.shape,
-            dtype="bfloat16" if tensor.dtype == torch.bfloat16 else tensor.numpy().dtype.name,
+            dtype=dtype_name(tensor),
             requires_grad=tensor.requires_grad,
         )
 
@@ -113,7 +118,7 @@ class Blockwise8Bit(CompressionBase):
             compression=self.compression_type,
             buffer=low.numpy().tobytes() + step.numpy().tobytes() + index.numpy().tobytes(),
             size=tensor.shape,
-            dtype="bfloat16" if tensor.dtype == torch.bfloat16 else tensor.numpy().dtype.name,
+            dtype=dtype_name(tensor),
             requires_grad=tensor.requires_grad,
         )
 
