@@ -29,9 +29,17 @@ two disagree, and discards the round without blaming either. So a reducer that l
 round the first time (nothing of it is applied) and is left out by its auditor; a member that
 lies as an auditor is left out by the reducer it slandered.
 
-Not closed: a reducer could forward, in place of other members' parts, parts it made up to fit
-its lie. Each member whose part was replaced sees it (the hash) and discards the round; the
-others apply it. Parts signed by their senders would close that.
+The auditor also checks the parts forwarded as its own, so a reducer cannot make up the
+auditor's part to fit a lie (it is left out for it). Not closed:
+- a reducer that makes up the parts of members other than its auditor, consistent with its
+  lie (with three members it then controls two of three parts): each member so replaced sees
+  it (the hash) and discards the round without knowing whom to blame, while the auditor applies
+  the lie;
+- a reducer that lies to every member but its auditor: they discard the round without blame,
+  the auditor and the reducer apply it, and the others then re-synchronize.
+Averages and parts signed by their senders would close both. Members must also share the
+settings the replay uses (`train.lr`, which sets the defence's smallest typical update, and
+`peer.audit`): an auditor with other ones finds an honest reducer false.
 """
 
 from __future__ import annotations
