@@ -17,8 +17,12 @@ from what it measures in the parts themselves, never from what members claim abo
   in the round's metadata, sync.py) are left out: they were made from other parameters (a stale
   model). Such a member is not banned: it downloads the swarm's state and takes part again.
 
-A member whose part is dropped is *rejected*: named to the peer (and so in its log and status) and
-banned: the gates refuse it from then on, and its data in any later group is dropped. Probe
+A member whose part is dropped for non-finite values or a malformed part is *rejected*: named to
+the peer (and so in its log and status) and banned: the gates refuse it from then on, and its
+data in any later group is dropped. One whose part is only far too large (beyond `reject`) is
+left out of the next rounds for a while instead, as a member that stalls: an honest member that
+caught up, or trained alone for a while, sends such a part too (measured: at a run's last round,
+one that had just caught up sent 32 clipping bounds). Probe
 elements (see averaging.py) are averaged as they are, with the same weights, so every member can
 still tell a fully averaged round from a partial one.
 
@@ -62,7 +66,8 @@ class Defence:
     (an honest update lies within about 0.9 of its norm from the median of its group's, measured
     on independent updates of equal size: closer when they agree)."""
     reject: float = 20.0
-    """...and beyond this many, dropped, and their sender banned."""
+    """...and beyond this many, dropped, and their sender left out of the next rounds for a
+    while (not banned: an honest member that caught up can send one)."""
     reduced: float = 4.0
     """A reducer's average of an update span farther from a member's own part than this many
     times (typical update + that part) is doubted where the reducer clips around a median (three
@@ -203,6 +208,8 @@ class RobustReducer(TensorPartReducer):
         self.parts: dict[int, torch.Tensor] = {}
         # told, part by part, which senders' parts each average combined (audit.py)
         self.on_combined: Callable[[int, list[int]], None] | None = None
+        # a sender whose part is only far too large: left out for a while, not banned
+        self.on_doubt: Callable[[int, str], None] = on_reject
         super().__init__(part_shapes, len(weights))
 
     def reset_accumulators(self) -> None:
@@ -271,7 +278,7 @@ class RobustReducer(TensorPartReducer):
         for i, x in list(candidates.items()):
             norm = float((x - center).norm())
             if judged and norm > self.defence.reject * tau:
-                self._reject(i, f"{kind} {norm / tau:.3g}x the clipping bound")
+                self._reject(i, f"{kind} {norm / tau:.3g}x the clipping bound", ban=False)
                 del candidates[i]
         if not candidates:
             return torch.zeros(shape)
@@ -317,12 +324,14 @@ class RobustReducer(TensorPartReducer):
             total += self.weights[i]
         return out.div_(total) if total > 0 else out
 
-    def _reject(self, sender: int, why: str) -> None:
-        """Drop the sender's parts from now on; another member is also banned (our own update
-        is only left out: a majority found it far from theirs)."""
+    def _reject(self, sender: int, why: str, ban: bool = True) -> None:
+        """Drop the sender's parts from now on; another member is also banned, or with
+        ban=False (a part only far larger than the others: an honest member that caught up or
+        trained alone for a while sends one too) left out of the next rounds for a while (our
+        own update is only left out of this one: a majority found it far from theirs)."""
         self.dropped[sender] = True
         if sender != self.own_sender:
-            self.on_reject(sender, why)
+            (self.on_reject if ban else self.on_doubt)(sender, why)
 
 
 class RobustRunner(ExactAverageRunner):
@@ -379,6 +388,7 @@ class RobustRunner(ExactAverageRunner):
             self._in_sync,
             lie,
         )
+        self.tensor_part_reducer.on_doubt = lambda i, why: self._on_doubt(senders[i], why)
         register = self.tensor_part_container.register_processed_part
 
         def checked(peer_index: int, part_index: int, average: torch.Tensor) -> None:
