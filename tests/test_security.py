@@ -232,8 +232,8 @@ def test_a_lying_reducer_is_caught_by_its_auditor_and_its_lie_never_lands(tmp_pa
     """Peer 2 sends its update honestly and moves the average of the span it reduces in one
     direction, within what members' bounds accept (6 typical updates). The span's auditor
     replays the reduction from the parts peer 2 forwards and finds the averages false: the round
-    is discarded before anything is applied, and the auditor leaves peer 2 out of its next
-    rounds. Without the defences (no audit), the same lie lands."""
+    is discarded before anything is applied, and the auditor, holding proof, bans peer 2.
+    Without the defences (no audit), the same lie lands."""
     from .peer_attack_harness import vectors
 
     outs = run_round(tmp_path, "lying_reducer", defend=True)
@@ -241,10 +241,15 @@ def test_a_lying_reducer_is_caught_by_its_auditor_and_its_lie_never_lands(tmp_pa
     assert landed, "the honest peers never averaged together"
     for r in landed:  # only ever the honest pair: any round with the liar was discarded
         assert r["group"] == 2 and torch.allclose(r["delta"], honest_mean(), atol=1e-6)
-    blamed = [(name, why) for out in outs.values() for name, why in out["stalled"]]
+    blamed = [(name, why) for out in outs.values() for name, why in out["rejected"]]
+    blamed += [(name, why) for out in outs.values() for name, why in out["stalled"]]
     assert blamed and all(name == "h2" for name, _ in blamed), blamed  # never an honest peer
-    assert any("differ from the audit's replay" in why for _, why in blamed), blamed
-    assert not any(out["rejected"] for out in outs.values())  # left out for a while, not banned
+    # its auditor holds proof (the reducer's own forwarded parts): banned, not left out a while
+    assert any(
+        "differ from the audit's replay" in why
+        for out in outs.values()
+        for _, why in out["rejected"]
+    ), blamed
 
     typical = float(vectors(0)[: len(vectors(0)) // 3].norm())  # a member's part of one span
     clean = (vectors(0) + vectors(1) + vectors(2)) / 3
@@ -260,21 +265,22 @@ def test_a_lying_reducer_is_caught_by_its_auditor_and_its_lie_never_lands(tmp_pa
 
 def test_a_reducer_that_forwards_its_auditor_other_parts_is_caught_by_it(tmp_path: Path):
     """Peer 2 reduces honestly but forwards its own part in place of every other member's (as
-    a reducer fitting a lie would): the auditor finds its own part replaced and leaves peer 2
-    out; every other member finds its part replaced and discards the round."""
+    a reducer fitting a lie would): the auditor finds its own part replaced and bans peer 2;
+    every other member finds its part replaced and discards the round."""
     outs = run_round(tmp_path, "forging_reducer", defend=True)
     landed = [r for out in outs.values() for r in out["rounds"] if not r["failed"]]
     assert landed, "the honest peers never averaged together"
     for r in landed:
         assert r["group"] == 2 and torch.allclose(r["delta"], honest_mean(), atol=1e-6)
-    blamed = [(name, why) for out in outs.values() for name, why in out["stalled"]]
+    blamed = [(name, why) for out in outs.values() for name, why in out["rejected"]]
+    blamed += [(name, why) for out in outs.values() for name, why in out["stalled"]]
     assert blamed and all(name == "h2" for name, _ in blamed), blamed
     assert any("another part as this member's" in why for _, why in blamed), blamed
 
 
-def test_an_auditor_that_slanders_an_honest_reducer_is_left_out_by_it(tmp_path: Path):
+def test_an_auditor_that_slanders_an_honest_reducer_is_banned_by_it(tmp_path: Path):
     """Peer 2 trains, sends and reduces honestly, and as an auditor reports projections 10% off
-    the true ones. The reducer it slanders knows its averages are honest and leaves peer 2 out;
+    the true ones. The reducer it slanders knows its averages are honest and bans peer 2;
     a third member cannot tell which of the two lies, discards the round and blames neither.
     No honest peer is ever blamed, and nothing a slandered round carried is applied."""
     outs = run_round(tmp_path, "lying_auditor", defend=True)
@@ -282,7 +288,8 @@ def test_an_auditor_that_slanders_an_honest_reducer_is_left_out_by_it(tmp_path: 
     assert landed, "the honest peers never averaged together"
     for r in landed:
         assert r["group"] == 2 and torch.allclose(r["delta"], honest_mean(), atol=1e-6)
-    blamed = [(name, why) for out in outs.values() for name, why in out["stalled"]]
+    blamed = [(name, why) for out in outs.values() for name, why in out["rejected"]]
+    blamed += [(name, why) for out in outs.values() for name, why in out["stalled"]]
     assert blamed and all(name == "h2" for name, _ in blamed), blamed
     assert any("reports other averages" in why for _, why in blamed), blamed
 

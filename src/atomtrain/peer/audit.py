@@ -21,13 +21,17 @@ order:
    where the projections do not look; they tolerate the codec's rounding of a replay whose sums
    ran in another order (`TOLERANCE`).
 
-Blame falls only where it is certain, and means being left out of the next rounds as a member
-that stalls (averaging.py): the auditor blames a reducer whose averages differ from the replay of
-the parts it forwarded (or that forwarded none); the reducer, which knows its averages are
-honest, blames an auditor that reports otherwise. A member that is neither sees only that the
-two disagree, and discards the round without blaming either. So a reducer that lies loses the
-round the first time (nothing of it is applied) and is left out by its auditor; a member that
-lies as an auditor is left out by the reducer it slandered.
+Blame falls only where it is certain, and proof bans (averaging.py): the auditor bans a reducer
+whose averages differ from the replay of the very parts it forwarded, or that forwarded a part
+other than the auditor's own as the auditor's; the reducer, which knows its averages are honest,
+bans an auditor that reports otherwise. A reducer that forwarded nothing (in time), or an
+auditor that gives no verdict, may only have a slow link: it is left out of the next rounds for
+a while, as a member that stalls. A member that is neither sees only that the two disagree, and
+discards the round without blaming either. So a reducer that lies loses the round the first
+time (nothing of it is applied) and is banned by its auditor; a member that lies as an auditor
+is banned by the reducer it slandered. The replay's settings are the group's: every member
+declares its defence's smallest typical update (`min_scale`, from its learning rate) and every
+reducer and auditor uses the lower median of the declarations.
 
 The auditor also checks the parts forwarded as its own, so a reducer cannot make up the
 auditor's part to fit a lie (it is left out for it). Not closed:
@@ -37,9 +41,8 @@ auditor's part to fit a lie (it is left out for it). Not closed:
   the lie;
 - a reducer that lies to every member but its auditor: they discard the round without blame,
   the auditor and the reducer apply it, and the others then re-synchronize.
-Averages and parts signed by their senders would close both. Members must also share the
-settings the replay uses (`train.lr`, which sets the defence's smallest typical update, and
-`peer.audit`): an auditor with other ones finds an honest reducer false.
+Averages and parts signed by their senders would close both. Members must also share
+`peer.audit` (one without the audit forwards nothing and answers no verdict: it is left out).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -295,7 +298,9 @@ class AuditedRunner(RobustRunner):
             return f"{reducer} sent not all its averages"
         replay = await self._replayed_or_silent()
         status, why, outputs = replay[:3]
+        certain = status == MISMATCH  # it forwarded what no honest reducer does
         if status == OK:
+            certain = True  # from here on, the reducer's own parts and averages convict it
             mine = forwarded_as_sent(replay[3][self._own_sender], self._sent[span])
             if mine is None:
                 return f"{reducer} combined only the first of this member's parts"
@@ -309,7 +314,8 @@ class AuditedRunner(RobustRunner):
                 if agree(await self._seen_of(span), told):
                     return ""
                 status, why = MISMATCH, "sent averages that differ from the audit's replay"
-        self._on_doubt(reducer, f"{why} (audit; its round discarded)")
+        convict = self._on_reject if certain else self._on_doubt
+        convict(reducer, f"{why} (audit; its round discarded)")
         return f"{reducer} {why}"
 
     async def _seen_of(self, span: int) -> list[torch.Tensor]:
@@ -371,11 +377,12 @@ class AuditedRunner(RobustRunner):
         auditor = self.ordered_peer_ids[self._auditor[span]]
         reducer = self.ordered_peer_ids[span]
         mine = span == self._own_index  # this member reduced it, and knows it did so honestly
-        blame: Callable[[str], None] = (
-            (lambda why: self._on_doubt(auditor, f"{why} (audit; its round discarded)"))
-            if mine
-            else (lambda why: None)
-        )
+
+        def blame(why: str, certain: bool = True) -> None:
+            if mine:  # a false verdict on honest work convicts; one of no parts may be the link
+                convict = self._on_reject if certain else self._on_doubt
+                convict(auditor, f"{why} (audit; its round discarded)")
+
         if span in self._fell_back:  # the reducer failed on us: the probes discard the round
             return f"{reducer} sent not all its averages"
         request = averaging_pb2.AveragingData(
@@ -397,7 +404,7 @@ class AuditedRunner(RobustRunner):
             self._on_doubt(auditor, "gave no audit verdict (its round discarded)")
             return f"{auditor} gave no audit verdict ({status})"
         if status == SILENT:  # this member, its reducer, forwarded all it combined
-            blame("claims this member did not forward the parts it combined")
+            blame("claims this member did not forward the parts it combined", certain=False)
             return f"{auditor} says {reducer} forwarded not all the parts it combined"
         if status == MISMATCH:
             blame("took the parts this member forwarded for malformed")

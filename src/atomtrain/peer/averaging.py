@@ -91,7 +91,7 @@ from atomtrain.peer.robust import (
     RobustRunner,
     equal_weights,
 )
-from atomtrain.peer.sync import in_sync_flags
+from atomtrain.peer.sync import in_sync_flags, lower_median
 from atomtrain.peer.traffic import (
     RECEIVED,
     SENT,
@@ -279,6 +279,8 @@ class ProbedAverager:
         self._discard.value = 0
         self._probe_in.fill_(self._probe)
         gather = {**info, "probe": self._probe, "weight": weight}
+        if self.defence is not None:  # every reducer and auditor of the group uses its median
+            gather["min_scale"] = self.defence.min_scale
         return self.averager.step(
             wait=False,
             weight=max(weight, 1e-6),
@@ -823,6 +825,11 @@ class GuardedAverager(DecentralizedAverager):
             if defence == NO_DEFENCE
             else equal_weights(claimed)
         )
+        if defence != NO_DEFENCE:  # the group's smallest typical update: what most declare
+            declared = [_number(u.get("min_scale")) for u in users]
+            valid = [x for x in declared if math.isfinite(x) and x >= 0]
+            if valid:
+                defence = replace(defence, min_scale=lower_median(valid))
         return {
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),
