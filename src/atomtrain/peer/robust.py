@@ -278,7 +278,9 @@ class RobustReducer(TensorPartReducer):
         for i, x in list(candidates.items()):
             norm = float((x - center).norm())
             if judged and norm > self.defence.reject * tau:
-                self._reject(i, f"{kind} {norm / tau:.3g}x the clipping bound", ban=False)
+                self._reject(
+                    i, f"sent a {kind} part {norm / tau:.3g}x the clipping bound", ban=False
+                )
                 del candidates[i]
         if not candidates:
             return torch.zeros(shape)
