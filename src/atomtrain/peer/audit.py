@@ -79,9 +79,9 @@ OK, MISMATCH, SILENT, FAILED = "ok", "mismatch", "silent", "failed"
 not all the parts it combined (in time); the request was not for this auditor's span."""
 
 
-def wire_bytes(tensor: Any) -> bytes:
-    """A part's bytes as it travels (a runtime_pb2.Tensor)."""
-    return tensor.SerializeToString(deterministic=True)
+def part_hash(wire: Any) -> bytes:
+    """The hash of a part as it travels (a runtime_pb2.Tensor)."""
+    return hashlib.sha256(wire.SerializeToString(deterministic=True)).digest()
 
 
 def project(seed: int, part_index: int, x: torch.Tensor) -> torch.Tensor:
@@ -159,14 +159,14 @@ class AuditedRunner(RobustRunner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
         async for message in super()._generate_input_for_peer(peer_index):
-            self._sent[peer_index].append(hashlib.sha256(wire_bytes(message.tensor_part)).digest())
+            self._sent[peer_index].append(part_hash(message.tensor_part))
             yield message
 
     # --- as a reducer -------------------------------------------------------------------------
 
     def _own_input(self, part_index: int, part: Any, info: Any) -> Any:
         wire = self.tensor_part_container.compression.compress(part, info)
-        self._sent[self._own_index].append(hashlib.sha256(wire_bytes(wire)).digest())
+        self._sent[self._own_index].append(part_hash(wire))
         self._held[(self._own_sender, part_index)] = wire
         return deserialize_torch_tensor(wire)
 
@@ -246,7 +246,7 @@ class AuditedRunner(RobustRunner):
                 )
                 if part.shape != replayer.part_shapes[current] or not part.is_floating_point():
                     raise ValueError(f"a part of {part.dtype} {tuple(part.shape)}")
-                hashes[sender].append(hashlib.sha256(wire_bytes(message.tensor_part)).digest())
+                hashes[sender].append(part_hash(message.tensor_part))
                 parts[sender] = part.detach().float().clone()  # as the reducer holds it
             if parts:
                 outputs.append(await self._replayed(replayer, current, parts))
