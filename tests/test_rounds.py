@@ -220,6 +220,63 @@ def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(p
     assert a.peer.round_slot % 0.5 == 0  # a multiple of the period then in force
 
 
+def test_a_downloaded_state_sets_the_schedule_where_the_swarm_stands_not_where_it_says(pair):
+    a, b = pair
+
+    def published() -> list[int]:
+        return [s.schedule_step for s in b.peer.live_others() if s.schedule_step > 0]
+
+    steps_until([a, b], lambda: bool(published()))
+    settle([a, b])
+    (swarm_step,) = published()  # a's, signed: one member, one figure
+    with b.peer.lock:
+        held = [b.peer.theta_sync.clone(), b.peer.outer.buf.clone()]
+    for served in (10**9, -5, "x", None):  # what a serving peer may claim
+        b.peer._known_others = b.peer.live_others()
+        b.peer._load({"round": b.peer.round, "step": served}, held, mode="resync")
+        assert b.state.step + b.state.schedule_offset == swarm_step
+        assert b.peer._schedule_step == swarm_step
+
+
+def test_the_schedule_step_is_the_members_median_then_the_servers_within_the_run():
+    from atomtrain.peer.state import swarm_schedule_step
+    from atomtrain.peer.status import PeerStatus
+
+    def at(step: int) -> PeerStatus:
+        return PeerStatus("p", 3, 0, 2.0, 1.0, 0.0, schedule_step=step)
+
+    honest = [at(400), at(410), at(405)]
+    assert swarm_schedule_step(10**9, [*honest, at(10**9)], 1000, 0) == 405
+    assert swarm_schedule_step(0, [*honest, at(1)], 1000, 0) == 400
+    assert swarm_schedule_step(300, [at(0)], 1000, 7) == 300  # nobody publishes one
+    assert swarm_schedule_step(10**9, [], 1000, 7) == 1000
+    assert swarm_schedule_step(-5, [], 1000, 7) == 0
+    assert swarm_schedule_step(True, [], 1000, 7) == 7  # not a step: this peer's own
+    assert swarm_schedule_step(None, [], 1000, 7) == 7
+
+
+def test_a_peer_of_another_protocol_is_named_and_never_averaged_with(pair, tmp_path: Path):
+    a, b = pair
+    c = Driver(tmp_path, "c", join=addr(a), seed=3, defend=False)
+    try:
+        # c found a and b but takes no state from them and never waits on them
+        assert c.peer.live_others() == []
+        assert c.peer._foreign == {a.peer.peer_id, b.peer.peer_id}
+        assert c.peer.round == 0
+        deadline = time.time() + 30
+        while c.peer.peer_id not in a.peer._foreign:
+            assert time.time() < deadline, "a never read c's status"
+            a.peer.live_others()
+            time.sleep(0.5)
+        assert c.peer.peer_id not in {s.peer_id for s in a.peer.live_others()}
+        start = a.peer.round
+        steps_until([a, b, c], lambda: a.peer.round >= start + 1 and b.peer.round >= start + 1)
+        settle([a, b, c])
+        assert c.peer.round == 0  # no round of a and b ever took c in
+    finally:
+        c.close()
+
+
 def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():
     from atomtrain.peer.runtime import _next_slot, on_ladder
 

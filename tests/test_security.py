@@ -36,6 +36,7 @@ from atomtrain.peer.averaging import (
     stalls_remembered,
 )
 from atomtrain.peer.layout import cut_pieces
+from atomtrain.peer.protocol import averaging_prefix, protocol_tag
 from atomtrain.peer.robust import Defence, equal_weights
 from atomtrain.peer.traffic import Traffic
 
@@ -517,14 +518,17 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
     # the server says it is at round 3 (signed; stamped ahead, so it stays fresh for the test):
     # the joiner asks it for the state
     server_id = dht.peer_id.to_base58()
-    said = PeerStatus("server", 3, 30, 2.0, 1.0, 0.0, peer_id=server_id, updated=time.time() + 60)
+    tag = protocol_tag(defend=True, audit=True)  # what the joiner's defaults speak
+    said = PeerStatus(
+        "server", 3, 30, 2.0, 1.0, 0.0, peer_id=server_id, updated=time.time() + 60, protocol=tag
+    )
     assert publish(dht, SWARM, own_subkey(signing), said).result()
     record = AgreementRecord()  # what the swarm holds at round 3, as its peers publish it
     record.add(RoundDigest.of(3, *held))
     assert record.publish(dht, SWARM, own_subkey(signing)).result()
     server = ProbedAverager(
         dht,
-        f"{SWARM}_avg",
+        averaging_prefix(SWARM, tag),
         cut_pieces({"w": numel}),
         "none",
         1.0,

@@ -72,6 +72,7 @@ from atomtrain.peer.finish import Finisher
 from atomtrain.peer.hygiene import start_watchdog
 from atomtrain.peer.layout import Sketcher, assign, cut_pieces, digest, flatten
 from atomtrain.peer.outer import OuterNesterov
+from atomtrain.peer.protocol import averaging_prefix, describe, protocol_tag
 from atomtrain.peer.records import own_subkey, swarm_validators
 from atomtrain.peer.robust import Defence
 from atomtrain.peer.rounds import (
@@ -82,7 +83,7 @@ from atomtrain.peer.rounds import (
     shift_to_own_share,
     write_contribution,
 )
-from atomtrain.peer.state import StateCheck, download_sources, resync_floor
+from atomtrain.peer.state import StateCheck, download_sources, resync_floor, swarm_schedule_step
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
 from atomtrain.peer.traffic import RateMeter
 from atomtrain.peer.wire import WireMeter, daemon_meter
@@ -179,6 +180,8 @@ class PeerRuntime:
         self._signing_key = self.membership.private_key if self.membership else None
         self._revocations: Any = None
         self._known_others: list[PeerStatus] = []
+        self.protocol = protocol_tag(cfg.defend, cfg.audit)
+        self._foreign: set[str] = set()  # peers of another protocol, warned about once
         self._roster: Roster | None = None
         self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
@@ -262,7 +265,7 @@ class PeerRuntime:
         self.peer_id = self.dht.peer_id.to_base58()
         self.averager = ProbedAverager(
             self.dht,
-            f"{self.cfg.swarm}_avg",
+            averaging_prefix(self.cfg.swarm, self.protocol),
             self.pieces,
             self.cfg.compression,
             self.cfg.matchmaking_s,
@@ -477,7 +480,7 @@ class PeerRuntime:
         assert self.dht is not None
         deadline = time.time() + 60.0
         while self.cfg.wait_for > 1 and time.time() < deadline:
-            present = len(read_statuses(self.dht, self.cfg.swarm, self.owner))
+            present = 1 + len(self.live_others())  # this one, and the others it averages with
             if present >= self.cfg.wait_for:
                 return
             time.sleep(0.5)
@@ -499,6 +502,14 @@ class PeerRuntime:
         at round 0 with the parameters this peer built from the same seed) needs no download."""
         assert self.dht is not None and self.averager is not None
         statuses = self._statuses_of_others(wait_s=10.0)
+        self._known_others = statuses  # whom a download asks, and whose schedule it follows
+        if not statuses:
+            log.warning(
+                "no live peer of this swarm averages with this one's protocol (%s); starting "
+                "from this peer's own parameters",
+                self.protocol,
+            )
+            return
         swarm_round = self.checker.swarm_round(statuses)
         if self.round > 0 and self.round >= swarm_round:
             return
@@ -531,12 +542,7 @@ class PeerRuntime:
         assert self.dht is not None
         deadline = time.time() + wait_s
         while True:
-            now = time.time()  # a dead peer's record lingers until it expires: not counted
-            others = [
-                s
-                for s in read_statuses(self.dht, self.cfg.swarm, self.owner)
-                if s.name != self.name and s.fresh(now, 3 * PUBLISH_EVERY_S)
-            ]
+            others = self.live_others()  # a dead peer's record lingers until it expires
             if others or time.time() > deadline:
                 return others
             time.sleep(0.25)
@@ -572,9 +578,14 @@ class PeerRuntime:
             self.round = int(meta["round"])
             self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
-        if "step" in meta and self.train_state is not None:
-            # the learning-rate schedule follows the swarm's progress, not this peer's steps
-            self.train_state.schedule_offset = int(meta["step"]) - self.train_state.step
+        if mode != "resume" and self.train_state is not None:
+            # the learning-rate schedule follows the swarm's progress, not this peer's steps:
+            # where the live members' schedules stand, not where the serving peer says
+            step = swarm_schedule_step(
+                meta.get("step"), self._known_others, self.total_steps, self._schedule_step
+            )
+            self.train_state.schedule_offset = step - self.train_state.step
+            self._schedule_step = step
 
     def extra_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
         """For checkpoints: round counter, synchronized parameters, outer momentum. Taken while
@@ -966,11 +977,23 @@ class PeerRuntime:
         """The other peers whose status is fresh."""
         assert self.dht is not None
         now = time.time()
-        return [
+        live = [
             s
             for s in read_statuses(self.dht, self.cfg.swarm, self.owner)
             if s.peer_id != self.peer_id and s.fresh(now, 3 * PUBLISH_EVERY_S)
         ]
+        for s in live:
+            if s.protocol != self.protocol and s.peer_id not in self._foreign:
+                self._foreign.add(s.peer_id)
+                log.warning(
+                    "peer %s averages with protocol %s, this one with %s: the two never join "
+                    "one round (run every peer of a swarm with the same version and the same "
+                    "--peer.defend and --peer.audit)",
+                    s.name,
+                    describe(s.protocol),
+                    self.protocol,
+                )
+        return [s for s in live if s.protocol == self.protocol]
 
     def network_totals(self) -> tuple[float, float]:
         """Bytes sent and received so far: on the wire if the kernel tells, else the averager's."""
@@ -1013,6 +1036,8 @@ class PeerRuntime:
                 round_bytes=self.last_round_bytes,
                 matchmaking_s=self.last_matchmaking_s,
                 success_share=sum(outcomes) / len(outcomes) if outcomes else 0.0,
+                schedule_step=self._schedule_step,
+                protocol=self.protocol,
             ),
         )
 

@@ -91,6 +91,23 @@ def resync_floor(claimed_rounds: list[Any], swarm_round: int | None = None) -> i
     return max(floor, min(max(rounds), swarm_round))
 
 
+def swarm_schedule_step(served: Any, statuses: list[PeerStatus], total_steps: int, own: int) -> int:
+    """Where a peer that took a downloaded state continues its learning-rate schedule: the lower
+    median of the schedule steps the live members publish (signed records, one a member, so no
+    single member moves it past the honest ones'), the serving peer's own figure where none
+    publishes one (an older swarm), this peer's own where neither; within [0, total_steps]. The
+    served figure alone would let one serving peer set a joiner's learning rate (a step of 10^9:
+    the schedule's floor; a negative one: warmup again)."""
+    published = [s.schedule_step for s in statuses if s.schedule_step > 0]
+    if published:
+        step = int(lower_median(published))
+    elif isinstance(served, int) and not isinstance(served, bool):
+        step = served
+    else:
+        step = own
+    return min(max(step, 0), max(total_steps, 0))
+
+
 def download_sources(statuses: list[PeerStatus], own_peer_id: str = "") -> list[str]:
     """Whom to download the swarm's state from, best first: the most advanced peers, each one's
     claimed round capped at the round most live peers are at (so one member claiming a huge

@@ -58,6 +58,11 @@ class PeerStatus:
     """Of the last applied round: time from its start until its all-reduce began."""
     success_share: float = 0.0
     """Share of the last rounds (up to 20) that were applied."""
+    schedule_step: int = 0
+    """Where the peer's learning-rate schedule stands: its steps plus the swarm's progress it
+    took with a downloaded state (a joiner follows the swarm's, not its own step count)."""
+    protocol: str = ""
+    """How the peer averages (protocol.py): peers that differ never join one round."""
 
     def fresh(self, now: float, within_s: float = 5.0) -> bool:
         return now - self.updated <= within_s
@@ -91,6 +96,8 @@ class PeerStatus:
                 round_bytes=_nonnegative(value.get("round_bytes", 0.0)),
                 matchmaking_s=_nonnegative(value.get("matchmaking_s", 0.0)),
                 success_share=min(_nonnegative(value.get("success_share", 0.0)), 1.0),
+                schedule_step=max(int(value.get("schedule_step", 0)), 0),
+                protocol=str(value.get("protocol", ""))[:64],
             )
         except (KeyError, TypeError, ValueError, OverflowError):
             return None
