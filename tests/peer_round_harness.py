@@ -1,9 +1,10 @@
 """One peer of the averaging-round test, run as its own process:
 
-    python peer_round_harness.py INDEX WEIGHT WORKDIR [COMPRESSION]
+    python peer_round_harness.py INDEX WEIGHT WORKDIR [COMPRESSION [SKETCH]]
 
 Peer 0 starts the DHT and writes its address to WORKDIR/addr; others join it. Each peer averages
-its own known pseudo-gradient once and saves what came back to WORKDIR/out{INDEX}.pt.
+its own known pseudo-gradient once and saves what came back to WORKDIR/out{INDEX}.pt. SKETCH:
+where the peer says its synchronized parameters are (sync.py; members agree at 0).
 """
 
 import sys
@@ -24,7 +25,12 @@ def vectors(index: int) -> torch.Tensor:
 
 
 def averaged_round(
-    avg: ProbedAverager, delta: torch.Tensor, weight: float, name: str, rms_claim: float = 0.0
+    avg: ProbedAverager,
+    delta: torch.Tensor,
+    weight: float,
+    name: str,
+    rms_claim: float = 0.0,
+    sketch: float = 0.0,
 ) -> dict:
     """One round with `delta` as this member's contribution; the flat average that came back.
     `rms_claim`: the size this member tells the group its update has (0: the true one)."""
@@ -33,7 +39,7 @@ def averaged_round(
         out.copy_(delta[piece.offset : piece.offset + piece.numel])
 
     rms = rms_claim or float(delta.pow(2).mean().sqrt())
-    info = {"name": name, "round": 0, "sketch": [0.0] * 64, "update_size": 1.0, "rms": rms}
+    info = {"name": name, "round": 0, "sketch": [sketch] * 64, "update_size": 1.0, "rms": rms}
     avg.start(write, weight, lambda: info)
     while not avg.done():
         time.sleep(0.05)
@@ -42,12 +48,13 @@ def averaged_round(
     with avg.averaged() as pairs:
         for piece, (mean, _own) in zip(avg.pieces, pairs, strict=True):
             flat[piece.offset : piece.offset + piece.numel] = mean.float()
-    return {"delta": flat, "group": result.group_size}
+    return {"delta": flat, "group": result.group_size, "in_sync": result.in_sync}
 
 
 def main() -> None:
     index, weight, work = int(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
     compression = sys.argv[4] if len(sys.argv) > 4 else "float16"
+    sketch = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     addr_file = work / "addr"
     if index == 0:
         dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -68,7 +75,8 @@ def main() -> None:
         target_group_size=8,
         state_provider=lambda: ({}, []),
     )
-    torch.save(averaged_round(avg, vectors(index), weight, f"h{index}"), work / f"out{index}.pt")
+    out = averaged_round(avg, vectors(index), weight, f"h{index}", sketch=sketch)
+    torch.save(out, work / f"out{index}.pt")
     avg.shutdown()
     dht.shutdown()
 

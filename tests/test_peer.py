@@ -81,6 +81,30 @@ def test_one_round_equals_the_token_weighted_mean(
         assert float(error.pow(2).mean().sqrt()) <= rms_error
 
 
+def test_an_undefended_round_leaves_out_the_update_of_a_member_out_of_sync(tmp_path: Path):
+    # peer 2 holds other synchronized parameters (a round it missed): its update holds progress
+    # the others averaged in already, so it weighs nothing; it learns it is out of sync
+    weights, sketches = [1.0, 2.0, 3.0], [0.0, 0.0, 5.0]
+    harness = [sys.executable, str(HERE / "peer_round_harness.py")]
+    procs = [
+        subprocess.Popen([*harness, str(i), str(w), str(tmp_path), "float16", str(s)])
+        for i, (w, s) in enumerate(zip(weights, sketches, strict=True))
+    ]
+    try:
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    want = (1.0 * vectors(0) + 2.0 * vectors(1)) / 3.0
+    outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(3)]
+    for out in outs:
+        assert out["group"] == 3
+        assert sorted(out["in_sync"]) == [False, True, True]  # (in the group's order)
+        assert torch.equal(out["delta"], outs[0]["delta"])
+        assert float((out["delta"] - want).abs().max()) <= 4 * 2**-11 * 5
+
+
 def test_the_4bit_codec_packs_two_values_a_byte_and_keeps_bucket_means():
     from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 

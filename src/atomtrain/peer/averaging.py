@@ -763,7 +763,11 @@ class GuardedAverager(DecentralizedAverager):
         tensors, kwargs["tensor_infos"] = round_layout(held, probes, kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
         runner_type: type[ExactAverageRunner] = ExactAverageRunner
-        extra: dict[str, Any] = {}
+        flags = membership(self._users(group_info))
+        extra: dict[str, Any] = {  # an undefended round: the members' own weights
+            "out_of_sync": {p for p, ok in zip(group_info.peer_ids, flags, strict=True) if not ok},
+            "delta_keys": {key for key, kind in enumerate(self._kinds) if kind == DELTA},
+        }
         if self._defence is not None:
             runner_type = AuditedRunner if self._defence.audit else RobustRunner
             extra = self._robust_arguments(group_info, self._defence)
@@ -803,10 +807,8 @@ class GuardedAverager(DecentralizedAverager):
         bounds = self._defence or Defence()
         return lie_sizes(bounds.reduced if tight else bounds.reject)
 
-    def _robust_arguments(self, group_info: Any, defence: Defence) -> dict[str, Any]:
-        """The robust runner's view of the group, from the metadata its members gathered
-        (NO_DEFENCE: hivemind's plain weighted mean, for a lying reducer in an undefended
-        swarm)."""
+    def _users(self, group_info: Any) -> list[dict[str, Any]]:
+        """What each member told the group, in group order ({} where malformed)."""
         users: list[dict[str, Any]] = []
         for blob in group_info.gathered:
             try:
@@ -814,6 +816,13 @@ class GuardedAverager(DecentralizedAverager):
                 users.append(user if isinstance(user, dict) else {})
             except Exception:  # malformed metadata: the probe check discards the round
                 users.append({})
+        return users
+
+    def _robust_arguments(self, group_info: Any, defence: Defence) -> dict[str, Any]:
+        """The robust runner's view of the group, from the metadata its members gathered
+        (NO_DEFENCE: hivemind's plain weighted mean, for a lying reducer in an undefended
+        swarm)."""
+        users = self._users(group_info)
         ids = group_info.peer_ids
         flags = membership(users)
         # how its averages will be checked (robust.reducer_bounds): bench attack's liar lies as
@@ -835,7 +844,7 @@ class GuardedAverager(DecentralizedAverager):
             "weights": dict(zip(ids, weights, strict=True)),
             "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
             "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
-            "in_sync": None if defence == NO_DEFENCE else dict(zip(ids, flags, strict=True)),
+            "in_sync": dict(zip(ids, flags, strict=True)),
             "defence": defence,
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,

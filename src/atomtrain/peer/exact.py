@@ -21,7 +21,7 @@ timeout. (A member that crashed looks the same; the averager excludes either for
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 from hivemind.averaging.partition import BannedException
@@ -33,10 +33,35 @@ from atomtrain.peer.traffic import CountedRunner
 
 
 class ExactAverageRunner(CountedRunner):
-    def __init__(self, *, on_stall: Callable[[Any, str], None] | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        on_stall: Callable[[Any, str], None] | None = None,
+        out_of_sync: Collection[Any] = (),
+        delta_keys: Collection[int] = (),
+        **kwargs: Any,
+    ):
+        """`out_of_sync`: members whose synchronized parameters differ from the group's
+        (sync.py), whose parts of the tensors keyed `delta_keys` weigh nothing here. Their
+        update holds all their progress since the last round they applied, which the others
+        averaged in already when they applied that round: averaged in again, it lands twice, and
+        again each round until the member re-synchronizes. (The robust reducer leaves them out
+        by itself; this is for an undefended round.)"""
         super().__init__(**kwargs)
         self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
         self._on_stall = on_stall
+        own = self.tensor_part_container._input_parts_by_peer[
+            self.ordered_peer_ids.index(self.peer_id)
+        ]
+        delta_parts = [info.key in delta_keys for _, info in own]
+        self._weighs_nothing = [
+            [p in out_of_sync and is_delta for is_delta in delta_parts]
+            for p in self.sender_peer_ids
+        ]
+
+    def _weight(self, sender_index: int, part_index: int, weight: float) -> float:
+        row = self._weighs_nothing[sender_index]  # (a sender's extra parts fail in hivemind)
+        return 0.0 if part_index < len(row) and row[part_index] else weight
 
     async def _handle_missing_senders(self) -> None:
         await super()._handle_missing_senders()
@@ -64,7 +89,7 @@ class ExactAverageRunner(CountedRunner):
                 sender_index,
                 part_index,
                 self._own_input(part_index, part, info),
-                weight=self.weight,
+                weight=self._weight(sender_index, part_index, self.weight),
             )
             wire = container.compression.compress(average, info)
             container.register_processed_part(
@@ -98,7 +123,10 @@ class ExactAverageRunner(CountedRunner):
                 self._received(sender_index, part_index, wire)
                 try:
                     average = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, part, weight=weight
+                        sender_index,
+                        part_index,
+                        part,
+                        weight=self._weight(sender_index, part_index, weight),
                     )
                     part_index += 1
                 except BannedException:

@@ -57,6 +57,8 @@ class StatusRecord(pydantic.BaseModel):
     round_bytes: Number
     matchmaking_s: Number
     success_share: Number
+    schedule_step: pydantic.conint(strict=True, ge=0) = 0  # type: ignore[valid-type]
+    protocol: pydantic.constr(strict=True, max_length=64) = ""  # type: ignore[valid-type]
 
 
 class SwarmRecords(pydantic.BaseModel):
