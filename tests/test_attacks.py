@@ -68,7 +68,9 @@ def run(
         for rnd in range(5):
             rejected = [attacker] if banned_after is not None and rnd >= banned_after else []
             group = ["h0", "h1"] + ([attacker] if attacker and not rejected else [])
-            log.append({"round": rnd + 1, "group": group, "rejected_peers": rejected})
+            log.append(
+                {"round": rnd + 1, "group": group, "rejected_peers": rejected, "round_s": 1.0}
+            )
         log.append({"val_loss": loss})
         logs.append(log)
     return SwarmRun(honest=["h0", "h1"], attacker=attacker, records=logs)
@@ -83,8 +85,10 @@ def test_the_attack_report_compares_with_clean_and_counts_rounds_until_rejected(
         },
         "alie": {"defended": [run([3.5, 3.5])], "undefended": [run([4.0, 4.0])]},
     }
+    del clean[1].records[1][3]["round_s"]  # a round h1 did not apply (a log line all the same)
     out = attack_report(clean, cases)
     assert out["clean_final_loss"]["median"] == pytest.approx(3.1)
+    assert out["clean_rounds_applied"] == [5, 4, 5]  # the fewest an honest peer applied
     nan, alie = out["attacks"]
     assert nan["final_loss_defended"]["median"] == pytest.approx(3.15)
     assert nan["final_loss_undefended"]["per_seed"] == [None, 8.0]  # a diverged seed: worst
@@ -94,6 +98,7 @@ def test_the_attack_report_compares_with_clean_and_counts_rounds_until_rejected(
     assert alie["neutralized"][0]["rounds_until_rejected"] is None  # never rejected: bounded only
     assert alie["neutralized"][0]["rounds_applied_with_attacker"] == 5
     assert not alie["defended_within_5pct"]  # 3.5 is 13% above 3.1
+    assert nan["rounds_applied_defended"] == [5, 5] and alie["rounds_applied_undefended"] == [5]
     honest_banned = run([3.1, 3.1], banned_after=0)
     honest_banned.records[0][0]["rejected_peers"] = ["h1"]
     assert (

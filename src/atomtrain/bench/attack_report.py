@@ -93,6 +93,12 @@ def neutralized(run: SwarmRun) -> dict[str, Any]:
     return out
 
 
+def rounds_applied(run: SwarmRun) -> int:
+    """Rounds the honest peer that applied fewest applied (the issue asks for at least 20: enough
+    for the outer momentum to matter)."""
+    return min((sum(1 for r in log if "round_s" in r) for log in run.records), default=0)
+
+
 def spread(values: list[float | None]) -> dict[str, Any]:
     ranked = [math.inf if v is None else v for v in values]
     med = statistics.median(ranked) if ranked else math.inf
@@ -123,10 +129,13 @@ def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRu
                 "honest_peers_rejected": max((honest_rejected(r) for r in defended), default=0),
                 "honest_peers_left_out": max((honest_left_out(r) for r in defended), default=0),
                 "neutralized": [neutralized(r) for r in defended],
+                "rounds_applied_defended": [rounds_applied(r) for r in defended],
+                "rounds_applied_undefended": [rounds_applied(r) for r in undefended],
             }
         )
     return {
         "clean_final_loss": clean_loss,
+        "clean_rounds_applied": [rounds_applied(r) for r in clean],
         "attacks": attacks,
         "notes": (
             "final losses: the honest peers' mean last validation loss, median over seeds (a "
@@ -138,6 +147,7 @@ def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRu
             "exclusion for a while as well (lying reducers and auditors, stallers); "
             "rounds_applied_with_attacker: all the rounds an honest peer applied with it in "
             "its group; honest_peers_left_out: honest peers another honest peer excluded for "
-            "a while"
+            "a while; rounds_applied: per seed, the rounds the honest peer that applied fewest "
+            "applied"
         ),
     }
