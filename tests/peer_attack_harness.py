@@ -11,7 +11,10 @@ longer than the round's timeout. With `forge_gather`, peer 2 trains honestly, st
 first (so it leads) and sends its followers another member's metadata rewritten. With
 `lying_reducer` (or `lying_reducer_far`: 20 typical updates, past what members accept), peer 2
 sends honestly and moves the average of the span it reduces. With `forging_reducer`, peer 2
-reduces honestly and forwards its auditor its own part in place of every other member's.
+reduces honestly and forwards its auditor its own part in place of every other member's. With
+`banned_by_0`, peer 2 is honest but peer 0 banned it before the first round, and peer 1 leads
+every round (the others start theirs a second later), so peer 0 finds in its groups a member it
+banned, taken in by a third party.
 """
 
 import contextlib
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 from hivemind import DHT
+from hivemind.p2p import PeerID
 
 from atomtrain.peer import audit, averaging
 from atomtrain.peer.attack import claimed_tokens, poison
@@ -118,6 +122,15 @@ def main() -> None:
             combined(self, part_index, senders)
 
         audit.AuditedRunner._combined = forged
+    gate = MemberGate(KEY, "atk")
+    if attack == "banned_by_0":
+        if index == 2:
+            (work / "id2.tmp").write_text(dht.peer_id.to_base58())
+            (work / "id2.tmp").rename(work / "id2")
+        if index == 0:  # before its averager's process starts (forked with the gate)
+            while not (work / "id2").exists():
+                time.sleep(0.05)
+            gate.ban(PeerID.from_base58((work / "id2").read_text()))
     avg = ProbedAverager(
         dht,
         "atk_avg",
@@ -127,9 +140,9 @@ def main() -> None:
         8.0,
         8,
         lambda: ({}, []),
-        MemberGate(KEY, "atk"),
+        gate,
         Defence() if defend else None,
-        attack=attack if index == 2 else "",
+        attack=attack if index == 2 and attack != "banned_by_0" else "",
     )
     delta, weight, rms_claim = vectors(index), 1.0, 0.0
     if index == 2:
@@ -144,6 +157,8 @@ def main() -> None:
         barrier(work, f"round{r}_", index)
         if attack == "forge_gather" and index < 2:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
+        if attack == "banned_by_0" and index != 1:
+            time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
         if index == 2 and attack == "stall":
             stalled_round(avg, delta)
             continue

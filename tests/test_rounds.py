@@ -17,6 +17,7 @@ from atomtrain.optim import AdamW, AdamWConfig
 from atomtrain.peer.layout import Sketcher, cut_pieces, flatten
 from atomtrain.peer.rounds import apply_outer_step, move_to, shift_to_own_share
 from atomtrain.peer.runtime import PeerRuntime
+from atomtrain.peer.status import PeerStatus
 from atomtrain.train.runner import PlainRunner
 from atomtrain.train.trainer import TrainState
 
@@ -223,16 +224,18 @@ def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(p
 def test_a_downloaded_state_sets_the_schedule_where_the_swarm_stands_not_where_it_says(pair):
     a, b = pair
 
-    def published() -> list[int]:
-        return [s.schedule_step for s in b.peer.live_others() if s.schedule_step > 0]
+    def published() -> list[PeerStatus]:
+        return [s for s in b.peer.live_others() if s.schedule_step > 0]
 
     steps_until([a, b], lambda: bool(published()))
     settle([a, b])
-    (swarm_step,) = published()  # a's, signed: one member, one figure
+    others = published()
+    assert len(others) == 1
+    swarm_step = others[0].schedule_step  # a's, signed: one member, one figure
     with b.peer.lock:
         held = [b.peer.theta_sync.clone(), b.peer.outer.buf.clone()]
     for served in (10**9, -5, "x", None):  # what a serving peer may claim
-        b.peer._known_others = b.peer.live_others()
+        b.peer._known_others = others
         b.peer._load({"round": b.peer.round, "step": served}, held, mode="resync")
         assert b.state.step + b.state.schedule_offset == swarm_step
         assert b.peer._schedule_step == swarm_step
@@ -240,19 +243,20 @@ def test_a_downloaded_state_sets_the_schedule_where_the_swarm_stands_not_where_i
 
 def test_the_schedule_step_is_the_members_median_then_the_servers_within_the_run():
     from atomtrain.peer.state import swarm_schedule_step
-    from atomtrain.peer.status import PeerStatus
 
-    def at(step: int) -> PeerStatus:
-        return PeerStatus("p", 3, 0, 2.0, 1.0, 0.0, schedule_step=step)
+    def at(step: int, round_: int = 3) -> PeerStatus:
+        return PeerStatus("p", round_, 0, 2.0, 1.0, 0.0, schedule_step=step)
 
     honest = [at(400), at(410), at(405)]
-    assert swarm_schedule_step(10**9, [*honest, at(10**9)], 1000, 0) == 405
-    assert swarm_schedule_step(0, [*honest, at(1)], 1000, 0) == 400
-    assert swarm_schedule_step(300, [at(0)], 1000, 7) == 300  # nobody publishes one
-    assert swarm_schedule_step(10**9, [], 1000, 7) == 1000
-    assert swarm_schedule_step(-5, [], 1000, 7) == 0
-    assert swarm_schedule_step(True, [], 1000, 7) == 7  # not a step: this peer's own
-    assert swarm_schedule_step(None, [], 1000, 7) == 7
+    assert swarm_schedule_step(10**9, 3, [*honest, at(10**9)], 1000, 0) == 405
+    assert swarm_schedule_step(0, 3, [*honest, at(0)], 1000, 0) == 400
+    joiners = [at(0, round_=0)] * 5  # still catching up: not the swarm's progress
+    assert swarm_schedule_step(0, 3, [*honest, *joiners], 1000, 0) == 405
+    assert swarm_schedule_step(300, 3, joiners, 1000, 7) == 300  # none holds the swarm's
+    assert swarm_schedule_step(10**9, 3, [], 1000, 7) == 1000
+    assert swarm_schedule_step(-5, 3, [], 1000, 7) == 0
+    assert swarm_schedule_step(True, 3, [], 1000, 7) == 7  # not a step: this peer's own
+    assert swarm_schedule_step(None, None, [], 1000, 7) == 7
 
 
 def test_a_peer_of_another_protocol_is_named_and_never_averaged_with(pair, tmp_path: Path):

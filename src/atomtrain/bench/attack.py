@@ -34,6 +34,8 @@ class AttackConfig:
     """Fixed, so every swarm runs the same rounds: steps / sync_every (30), for momentum."""
     seeds: int = 3
     attacks: tuple[str, ...] = ATTACKS
+    undefended: bool = True
+    """Also each attack against swarms without the defences (half the bench's time)."""
     overrides: tuple[str, ...] = (
         "--model.preset=small",
         "--data.seq_len=64",
@@ -164,7 +166,7 @@ def run_attack_bench(cfg: AttackConfig, out: Path, progress: bool = True) -> dic
         say(f"seed {seed} clean: final loss {final_loss(clean[-1])}")
     cases: dict[str, dict[str, list[SwarmRun]]] = {}
     for attack in cfg.attacks:
-        for defend in (True, False):
+        for defend in (True, False) if cfg.undefended else (True,):
             label = "defended" if defend else "undefended"
             for seed in range(cfg.seeds):
                 run = run_case(cfg, out, key, attack, defend, seed)

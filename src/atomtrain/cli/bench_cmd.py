@@ -65,6 +65,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "inflate, sybil, dht_overwrite, stall, forge_gather, lying_reducer, lying_auditor), "
         "or all",
     )
+    a.add_argument(
+        "--undefended",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run each attack against swarms without the defences (half the time)",
+    )
     a.add_argument("--out-dir", default="runs/bench-attack", help="where the peers' runs go")
     a.set_defaults(func=run_attack)
 
@@ -214,7 +220,11 @@ def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
     out = Path(args.out_dir)
     shutil.rmtree(out, ignore_errors=True)
     cfg = AttackConfig(
-        steps=args.steps, sync_every=args.sync_every, seeds=args.seeds, attacks=attacks
+        steps=args.steps,
+        sync_every=args.sync_every,
+        seeds=args.seeds,
+        attacks=attacks,
+        undefended=args.undefended,
     )
     _emit(run_attack_bench(cfg, out), args.json)
     return 0

@@ -32,9 +32,16 @@ beyond what an honest reducer returns (robust.reducer_bounds), or that an audit 
 a reducer or an auditor. Counted in rounds rather than banned for good, since an honest peer
 frozen for a while (or cut off), or an honest reducer left with fewer than three parts, can look
 the same. A group that holds a member this one excludes or banned does not make it abort (that
-would spoil the round for the others too): it takes part and discards the round for itself
-only; where it reduces, it drops that member's parts (audited rounds: it combines them as any
-others, by what it measures, so that its auditor's replay agrees).
+would spoil the round for the others too): it takes part. An audited round it then applies like
+any other when every check passes: every reducer combined that member's parts by what it
+measures (robust.py: non-finite and far too large parts dropped, the rest clipped, so the
+member weighs what any other member does), and every reducer's averages were audited, its own
+span's too. Discarding it instead left this member a round behind the others that applied it,
+out of sync, and it spent the next rounds re-synchronizing: in bench attack's 4-peer swarms an
+honest peer that had banned the attacker before the others did applied 1 round of 7 where a
+third party's group still took the attacker in. An unaudited round it discards for itself only
+(and where it reduces it drops that member's parts): there a banned reducer's averages are only
+bounded, not checked.
 """
 
 from __future__ import annotations
@@ -544,12 +551,21 @@ class GuardedAverager(DecentralizedAverager):
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if not await self._gate.allows(self.dht, context.remote_id):
+        refused = not await self._gate.allows(self.dht, context.remote_id)
+        audited = self._defence is not None and self._defence.audit
+        if refused and not audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         first = await anext(stream)
         if not await self._group_started(first.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        runner = self._audits.get(first.group_id) if refused else None
+        if refused and (runner is None or context.remote_id not in runner.sender_peer_ids):
+            # a member this one banned, in a group a third party took it into: its parts are
+            # combined by what they measure and the round audited (_aggregate_with_group);
+            # anyone else this one refuses stays refused
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         # the reducer's side of this member's traffic: parts in, averages out
         async for message in super().rpc_aggregate_part(
@@ -747,7 +763,10 @@ class GuardedAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
         try:
             group_info = await self._checked(group_info)
-            if any(p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids):
+            audited = self._defence is not None and self._defence.audit
+            if not audited and any(
+                p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids
+            ):
                 # take part for the others; apply nothing (module docstring)
                 self._discard.value = self._discard.value or BANNED
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)

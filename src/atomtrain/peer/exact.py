@@ -24,12 +24,17 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
+import torch
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
 from atomtrain.peer.traffic import CountedRunner
+
+NO_WEIGHT = 1e-30
+"""What a part that weighs nothing adds to a reducer's denominator: far below any sender's weight
+(hivemind's floor is 1e-6), so no average's bits change, yet never 0/0."""
 
 
 class ExactAverageRunner(CountedRunner):
@@ -59,9 +64,14 @@ class ExactAverageRunner(CountedRunner):
             for p in self.sender_peer_ids
         ]
 
-    def _weight(self, sender_index: int, part_index: int, weight: float) -> float:
+    def _weighed(self, sender_index: int, part_index: int, part: Any, weight: float) -> Any:
+        """(part, weight) as this reducer adds it. One that weighs nothing goes in as zeros
+        with a weight too small to change any average's bits (where every other sender of the
+        span failed, zeros, not 0/0; and an infinite value adds no NaN)."""
         row = self._weighs_nothing[sender_index]  # (a sender's extra parts fail in hivemind)
-        return 0.0 if part_index < len(row) and row[part_index] else weight
+        if part_index < len(row) and row[part_index]:
+            return torch.zeros_like(part), NO_WEIGHT
+        return part, weight
 
     async def _handle_missing_senders(self) -> None:
         await super()._handle_missing_senders()
@@ -85,11 +95,11 @@ class ExactAverageRunner(CountedRunner):
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
         for part_index, (part, info) in enumerate(container._input_parts_by_peer[peer_index]):
+            own, weight = self._weighed(
+                sender_index, part_index, self._own_input(part_index, part, info), self.weight
+            )
             average = await self.tensor_part_reducer.accumulate_part(
-                sender_index,
-                part_index,
-                self._own_input(part_index, part, info),
-                weight=self._weight(sender_index, part_index, self.weight),
+                sender_index, part_index, own, weight=weight
             )
             wire = container.compression.compress(average, info)
             container.register_processed_part(
@@ -122,11 +132,9 @@ class ExactAverageRunner(CountedRunner):
                 compression = wire.compression
                 self._received(sender_index, part_index, wire)
                 try:
+                    part, weight = self._weighed(sender_index, part_index, part, weight)
                     average = await self.tensor_part_reducer.accumulate_part(
-                        sender_index,
-                        part_index,
-                        part,
-                        weight=self._weight(sender_index, part_index, weight),
+                        sender_index, part_index, part, weight=weight
                     )
                     part_index += 1
                 except BannedException:

@@ -22,7 +22,7 @@ the peer (and so in its log and status) and banned: the gates refuse it from the
 data in any later group is dropped. One whose part is only far too large (beyond `reject`) is
 left out of the next rounds for a while instead, as a member that stalls: an honest member that
 caught up, or trained alone for a while, sends such a part too (measured: at a run's last round,
-one that had just caught up sent 32 clipping bounds). Probe
+one that had just caught up sent 32 clipping bounds). Beyond `ban` (10^4 bounds) it is banned. Probe
 elements (see averaging.py) are averaged as they are, with the same weights, so every member can
 still tell a fully averaged round from a partial one.
 
@@ -67,7 +67,11 @@ class Defence:
     on independent updates of equal size: closer when they agree)."""
     reject: float = 20.0
     """...and beyond this many, dropped, and their sender left out of the next rounds for a
-    while (not banned: an honest member that caught up can send one)."""
+    while (not banned: an honest member that caught up can send one)..."""
+    ban: float = 1e4
+    """...and beyond this many, banned: no honest member sends one (the largest measured, from
+    members that had just caught up or trained alone for a while: 25-34), while a member that
+    scales its update by a million would otherwise only be left out for a while, and back."""
     reduced: float = 4.0
     """A reducer's average of an update span farther from a member's own part than this many
     times (typical update + that part) is doubted where the reducer clips around a median (three
@@ -87,7 +91,7 @@ class Defence:
     received against that (audit.py): a reducer that lies is caught the first time."""
 
 
-NO_DEFENCE = Defence(clip=math.inf, reject=math.inf, reduced=math.inf, audit=False)
+NO_DEFENCE = Defence(clip=math.inf, reject=math.inf, reduced=math.inf, ban=math.inf, audit=False)
 """Nothing clipped or refused for its size: the weighted mean of the finite parts (bench attack's
 lying reducer in an undefended swarm)."""
 
@@ -279,7 +283,9 @@ class RobustReducer(TensorPartReducer):
             norm = float((x - center).norm())
             if judged and norm > self.defence.reject * tau:
                 self._reject(
-                    i, f"sent a {kind} part {norm / tau:.3g}x the clipping bound", ban=False
+                    i,
+                    f"sent a {kind} part {norm / tau:.3g}x the clipping bound",
+                    ban=norm > self.defence.ban * tau,
                 )
                 del candidates[i]
         if not candidates:

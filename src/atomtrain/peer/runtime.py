@@ -245,6 +245,7 @@ class PeerRuntime:
         """Join the swarm: start the DHT and averager, then take the swarm's state if needed."""
         self.joined_at = time.time()  # joining begins: the DHT starts
         self.train_state = state or TrainState()
+        self._schedule_step = self.train_state.step + self.train_state.schedule_offset
         self.watchdog = start_watchdog()
         initial = [a.strip() for a in self.cfg.join.split(",") if a.strip()]
         if self.membership is None:
@@ -542,7 +543,12 @@ class PeerRuntime:
         assert self.dht is not None
         deadline = time.time() + wait_s
         while True:
-            others = self.live_others()  # a dead peer's record lingers until it expires
+            others = [  # a dead peer's record lingers until it expires: this one's own too,
+                # after a restart under a new peer ID
+                s
+                for s in self.live_others()
+                if s.name != self.name
+            ]
             if others or time.time() > deadline:
                 return others
             time.sleep(0.25)
@@ -582,7 +588,11 @@ class PeerRuntime:
             # the learning-rate schedule follows the swarm's progress, not this peer's steps:
             # where the live members' schedules stand, not where the serving peer says
             step = swarm_schedule_step(
-                meta.get("step"), self._known_others, self.total_steps, self._schedule_step
+                meta.get("step"),
+                meta.get("round"),
+                self._known_others,
+                self.total_steps,
+                self._schedule_step,
             )
             self.train_state.schedule_offset = step - self.train_state.step
             self._schedule_step = step
@@ -808,14 +818,14 @@ class PeerRuntime:
             self._shift(0.0)
             self._start_resync(result)
             return
-        if self.cfg.defend and result.in_sync and sum(result.in_sync) < 2 and not self._final:
+        if result.in_sync and sum(result.in_sync) < 2 and not self._final:
             # no other member held our synchronized parameters, so the reducers left their
             # updates out and the "average" is our own update alone. Applied, it made a round
             # only this peer held: the partner that went to download the swarm's state found no
             # other peer to vouch for it (agreement.py), and this peer raced ahead on rounds of
             # one (churn: a joiner at round 20 while the rest sat at 11, to the end of the run).
-            # Not a round: the progress goes with the next. (Undefended swarms average every
-            # member's update and check no download: they apply it as before.)
+            # Not a round: the progress goes with the next. (Undefended rounds leave such
+            # updates out too, exact.py: the same holds there.)
             self._lose_round("no other member in sync")
             return
         params = self.runner.host_parameters()
@@ -1036,7 +1046,7 @@ class PeerRuntime:
                 round_bytes=self.last_round_bytes,
                 matchmaking_s=self.last_matchmaking_s,
                 success_share=sum(outcomes) / len(outcomes) if outcomes else 0.0,
-                schedule_step=self._schedule_step,
+                schedule_step=max(self._schedule_step, 0),
                 protocol=self.protocol,
             ),
         )

@@ -91,16 +91,21 @@ def resync_floor(claimed_rounds: list[Any], swarm_round: int | None = None) -> i
     return max(floor, min(max(rounds), swarm_round))
 
 
-def swarm_schedule_step(served: Any, statuses: list[PeerStatus], total_steps: int, own: int) -> int:
+def swarm_schedule_step(
+    served: Any, served_round: Any, statuses: list[PeerStatus], total_steps: int, own: int
+) -> int:
     """Where a peer that took a downloaded state continues its learning-rate schedule: the lower
-    median of the schedule steps the live members publish (signed records, one a member, so no
-    single member moves it past the honest ones'), the serving peer's own figure where none
-    publishes one (an older swarm), this peer's own where neither; within [0, total_steps]. The
-    served figure alone would let one serving peer set a joiner's learning rate (a step of 10^9:
-    the schedule's floor; a negative one: warmup again)."""
-    published = [s.schedule_step for s in statuses if s.schedule_step > 0]
+    median of the schedule steps published by the live members that hold the swarm's progress
+    (at the served state's round or one short of it: not joiners still catching up), signed
+    records, one a member, so that with two or more honest ones among them no single member
+    moves it past theirs; the serving peer's own figure where none qualifies; this peer's own
+    where neither; within [0, total_steps]. The served figure alone would let one serving peer
+    set a joiner's learning rate (a step of 10^9: the schedule's floor; a negative one: warmup
+    again)."""
+    floor = served_round - 1 if isinstance(served_round, int) else 0
+    published = [s.schedule_step for s in statuses if s.round >= floor]
     if published:
-        step = int(lower_median(published))
+        step = int(lower_median([float(x) for x in published]))
     elif isinstance(served, int) and not isinstance(served, bool):
         step = served
     else:
