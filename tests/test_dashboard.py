@@ -90,7 +90,7 @@ def test_the_server_serves_the_page_its_assets_and_live_snapshots():
 
 def test_network_figures_in_the_status_record_are_checked_and_tabled():
     good = status("a", 10, 3.0, time.time())
-    from dataclasses import asdict
+    from dataclasses import asdict, replace
 
     record = asdict(good)
     assert PeerStatus.from_record(record) == good
@@ -99,6 +99,9 @@ def test_network_figures_in_the_status_record_are_checked_and_tabled():
     row = status_rows([good])[0]
     assert "1.00/2.00" in row  # Mb/s up/down
     assert "2.00" in row and "90%" in row  # round MB, rounds applied
+    assert row[-1] == "-"  # an older peer's record names no protocol
+    tagged = status_rows([replace(good, protocol="v2-defended-audited")])[0]
+    assert tagged[-1] == "v2-defended-audited"  # peers that never average together show it
 
 
 def test_a_dashboard_that_cannot_listen_says_so(tmp_path: Path):

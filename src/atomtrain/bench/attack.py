@@ -29,9 +29,11 @@ SYBILS = 2
 @dataclass(frozen=True)
 class AttackConfig:
     honest: int = 3
-    steps: int = 150
+    steps: int = 600
     sync_every: int = 5
-    """Fixed, so every swarm runs the same rounds: steps / sync_every (30), for momentum."""
+    """Fixed, so every swarm starts a round every 5 steps; with the audit a round of 4 peers on 2
+    cores takes about 2.5 s, some 25 steps, so 600 steps give the honest peers 20-25 rounds (150
+    gave 3-7: the issue asks for at least 20, for the outer momentum to matter)."""
     seeds: int = 3
     attacks: tuple[str, ...] = ATTACKS
     undefended: bool = True

@@ -55,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "attack", help="a keyed swarm with a poisoning peer, with and without defences"
     )
     a.add_argument("--json", action="store_true", help="print only the JSON result")
-    a.add_argument("--steps", type=int, default=150)
+    a.add_argument("--steps", type=int, default=600)
     a.add_argument("--sync-every", type=int, default=5)
     a.add_argument("--seeds", type=int, default=3, help="seeds per swarm (median and spread)")
     a.add_argument(

@@ -549,7 +549,9 @@ class PeerRuntime:
                 for s in self.live_others()
                 if s.name != self.name
             ]
-            if others or time.time() > deadline:
+            # peers of another protocol seen and none of this one's: the swarm's records are
+            # here, and waiting would not bring one
+            if others or self._foreign or time.time() > deadline:
                 return others
             time.sleep(0.25)
 

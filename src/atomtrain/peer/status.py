@@ -178,6 +178,7 @@ def status_rows(statuses: list[PeerStatus]) -> list[list[str]]:
             f"{s.success_share:.0%}" if s.round_s or s.failed_rounds else "-",
             str(s.failed_rounds),
             rejected_by(s.name),
+            s.protocol or "-",
         ]
         for s in statuses
     ]
@@ -198,4 +199,5 @@ STATUS_HEADERS = [
     "rounds ok",
     "failed",
     "rejected by",
+    "protocol",
 ]
