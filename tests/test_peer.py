@@ -37,6 +37,18 @@ SMALL = [
 ]
 
 
+def round_of_harnesses(args: list[list[str]]) -> None:
+    """One averaging round of peer_round_harness.py processes, peer i with args[i]."""
+    harness = [sys.executable, str(HERE / "peer_round_harness.py")]
+    procs = [subprocess.Popen([*harness, str(i), *a]) for i, a in enumerate(args)]
+    try:
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+    finally:
+        for p in procs:
+            p.kill()
+
+
 @pytest.mark.parametrize(
     ("compression", "max_error", "rms_error"),
     # float16: 2^-11 relative to values of a few units, with room for two roundings; 8 bits:
@@ -49,25 +61,7 @@ def test_one_round_equals_the_token_weighted_mean(
     tmp_path: Path, compression: str, max_error: float, rms_error: float
 ):
     weights = [1.0, 3.0]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "peer_round_harness.py"),
-                str(i),
-                str(w),
-                str(tmp_path),
-                compression,
-            ]
-        )
-        for i, w in enumerate(weights)
-    ]
-    try:
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            p.kill()
+    round_of_harnesses([[str(w), str(tmp_path), compression] for w in weights])
     deltas = [vectors(i) for i in range(2)]
     want = sum(w * d for w, d in zip(weights, deltas, strict=True)) / sum(weights)
     outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(2)]
@@ -85,17 +79,9 @@ def test_an_undefended_round_leaves_out_the_update_of_a_member_out_of_sync(tmp_p
     # peer 2 holds other synchronized parameters (a round it missed): its update holds progress
     # the others averaged in already, so it weighs nothing; it learns it is out of sync
     weights, sketches = [1.0, 2.0, 3.0], [0.0, 0.0, 5.0]
-    harness = [sys.executable, str(HERE / "peer_round_harness.py")]
-    procs = [
-        subprocess.Popen([*harness, str(i), str(w), str(tmp_path), "float16", str(s)])
-        for i, (w, s) in enumerate(zip(weights, sketches, strict=True))
-    ]
-    try:
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            p.kill()
+    round_of_harnesses(
+        [[str(w), str(tmp_path), "float16", str(s)] for w, s in zip(weights, sketches, strict=True)]
+    )
     want = (1.0 * vectors(0) + 2.0 * vectors(1)) / 3.0
     outs = [torch.load(tmp_path / f"out{i}.pt") for i in range(3)]
     for out in outs:
