@@ -527,6 +527,12 @@ class GuardedAverager(DecentralizedAverager):
         self._stalls[peer_id] = (times, self._rounds)
         self._stalled[peer_id] = 1 + exclusion_rounds(times)
 
+    @property
+    def _audited(self) -> bool:
+        """Its rounds are audited (audit.py): a banned member a third party took in is safe to
+        average with."""
+        return self._defence is not None and self._defence.audit
+
     def _excluded(self, peer_id: PeerID) -> bool:
         """Stalled a round lately (local, for some rounds; a ban is the gate's and lasts)."""
         return peer_id in self._stalled
@@ -552,8 +558,7 @@ class GuardedAverager(DecentralizedAverager):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         refused = not await self._gate.allows(self.dht, context.remote_id)
-        audited = self._defence is not None and self._defence.audit
-        if refused and not audited:
+        if refused and not self._audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         first = await anext(stream)
@@ -763,8 +768,7 @@ class GuardedAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
         try:
             group_info = await self._checked(group_info)
-            audited = self._defence is not None and self._defence.audit
-            if not audited and any(
+            if not self._audited and any(
                 p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids
             ):
                 # take part for the others; apply nothing (module docstring)
@@ -782,11 +786,7 @@ class GuardedAverager(DecentralizedAverager):
         tensors, kwargs["tensor_infos"] = round_layout(held, probes, kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
         runner_type: type[ExactAverageRunner] = ExactAverageRunner
-        flags = membership(self._users(group_info))
-        extra: dict[str, Any] = {  # an undefended round: the members' own weights
-            "out_of_sync": {p for p, ok in zip(group_info.peer_ids, flags, strict=True) if not ok},
-            "delta_keys": {key for key, kind in enumerate(self._kinds) if kind == DELTA},
-        }
+        extra: dict[str, Any]
         if self._defence is not None:
             runner_type = AuditedRunner if self._defence.audit else RobustRunner
             extra = self._robust_arguments(group_info, self._defence)
@@ -795,6 +795,13 @@ class GuardedAverager(DecentralizedAverager):
                 extra["slander"] = SLANDER
         elif self._attack == "lying_reducer":  # bench attack only: it lies in undefended swarms too
             runner_type, extra = RobustRunner, self._robust_arguments(group_info, NO_DEFENCE)
+        else:  # an undefended round: the members' own weights
+            flags = membership(self._users(group_info))
+            ids = group_info.peer_ids
+            extra = {
+                "out_of_sync": {p for p, ok in zip(ids, flags, strict=True) if not ok},
+                "delta_keys": {key for key, kind in enumerate(self._kinds) if kind == DELTA},
+            }
         runner = runner_type(
             **extra,
             traffic=self._traffic,
