@@ -7,7 +7,9 @@ rounds together (file barriers) and save what each round gave them to WORKDIR/ou
 `inflate`, peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and
 claims a million times the others' tokens and a thousand times their update size. With `stall`,
 peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
-longer than the round's timeout. With `forge_gather`, peer 2 trains honestly, starts each round
+longer than the round's timeout. With `late`, peer 2 is honest but slow: its averager's process
+freezes as its group is found for longer than the sender timeout, not the reducer's, every round.
+With `forge_gather`, peer 2 trains honestly, starts each round
 first (so it leads) and sends its followers another member's metadata rewritten. With
 `lying_reducer` (or `lying_reducer_far`: 20 typical updates, past what members accept), peer 2
 sends honestly and moves the average of the span it reduces. With `forging_reducer`, peer 2
@@ -62,8 +64,14 @@ def barrier(work: Path, name: str, index: int) -> None:
         time.sleep(0.05)
 
 
-def stalled_round(avg: ProbedAverager, delta: torch.Tensor) -> None:
-    """Join a group, then go silent: the averager's process frozen past the round's timeout."""
+SLOW_START_S = 3.5
+"""How late `late` starts its all-reduce: past the harness's sender timeout (8 s / 3), short of
+its reducer timeout (twice that)."""
+
+
+def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float = 10.0) -> None:
+    """Join a group, then go silent: the averager's process frozen for `frozen_s` (past the
+    round's timeout by default)."""
     avg.start(
         lambda piece, out: out.copy_(delta[piece.offset : piece.offset + piece.numel]),
         1.0,
@@ -80,7 +88,7 @@ def stalled_round(avg: ProbedAverager, delta: torch.Tensor) -> None:
         time.sleep(0.01)
     if avg.group_found() and not avg.done():
         os.kill(avg.averager.pid, signal.SIGSTOP)
-        time.sleep(10.0)
+        time.sleep(frozen_s)
         os.kill(avg.averager.pid, signal.SIGCONT)
     while not avg.done():
         time.sleep(0.05)
@@ -159,8 +167,8 @@ def main() -> None:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
-        if index == 2 and attack == "stall":
-            stalled_round(avg, delta)
+        if index == 2 and attack in ("stall", "late"):
+            stalled_round(avg, delta, 10.0 if attack == "stall" else SLOW_START_S)
             continue
         try:
             rounds.append(

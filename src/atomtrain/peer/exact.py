@@ -14,8 +14,9 @@ tensors. A reducer that fails leaves the member's own part in its span, which th
 (averaging.py).
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
-its parts within hivemind's sender timeout, or a reducer that sent no averages within the reducer
-timeout. (A member that crashed looks the same; the averager excludes either for a while.)
+its parts before this member's all-reduce ended (hivemind leaves its parts out after its sender
+timeout), or a reducer that sent no averages within the reducer timeout. (A member that crashed
+looks the same; the averager excludes either for a while.)
 """
 
 from __future__ import annotations
@@ -73,11 +74,17 @@ class ExactAverageRunner(CountedRunner):
             return torch.zeros_like(part), NO_WEIGHT
         return part, weight
 
-    async def _handle_missing_senders(self) -> None:
-        await super()._handle_missing_senders()
-        for peer_id in self.sender_peer_ids:
-            if peer_id not in self.active_senders and peer_id in self.banned_senders:
-                self._stalled(peer_id, "sent none of its parts")
+    def finalize(self, **kwargs: Any) -> None:
+        """A member hivemind dropped for sending nothing within its sender timeout is named a
+        staller only if it sent nothing until this member's all-reduce ended. One that was merely
+        late (its own process slow to start the round) has begun by then: its parts came too late
+        to count, but it did not stall the round. (Named at once, an honest peer on a loaded
+        machine was left out of the next two rounds as if it had.)"""
+        if not self._future.done():
+            for peer_id in self.sender_peer_ids:
+                if peer_id not in self.active_senders and peer_id in self.banned_senders:
+                    self._stalled(peer_id, "sent none of its parts")
+        super().finalize(**kwargs)
 
     def _stalled(self, peer_id: Any, why: str) -> None:
         if self._on_stall is not None and peer_id != self.peer_id:

@@ -1054,12 +1054,6 @@ class PeerRuntime:
         )
 
     def shutdown(self) -> None:
-        if self.averager is not None:  # what the peer moved after its last step's record too
-            sent, received = self.averager.traffic.totals()
-            last: dict[str, Any] = {"step": self._step, "averager_bytes": sent + received}
-            if self.wire is not None:
-                last["wire_bytes"] = sum(self.wire.totals())
-            MetricsLog(self.run_dir / "metrics.jsonl").write(last)
         if getattr(self, "_publisher", None) is not None:
             self._stop_publishing.set()
             self._round_changed.set()
@@ -1067,6 +1061,15 @@ class PeerRuntime:
         if self.averager is not None:
             self.averager.shutdown()
             _reap(self.averager.averager)
+            # what the peer moved after its last step's record too, read once its averager is
+            # gone: a round another peer led could still be running with it until then (read
+            # before, the first of two peers to stop missed one round's bytes: 0.83 of its link)
+            sent, received = self.averager.traffic.totals()
+            last: dict[str, Any] = {"step": self._step, "averager_bytes": sent + received}
+            if self.wire is not None:
+                last["wire_bytes"] = sum(self.wire.totals())
+                self.wire.close()
+            MetricsLog(self.run_dir / "metrics.jsonl").write(last)
             self.averager = None
         if self.dht is not None:
             self.dht.shutdown()

@@ -11,6 +11,13 @@ carries, where traffic.py counts only what the averager's messages hold.
     meter = WireMeter(p2pd_pid)
     sent, received = meter.totals()      # bytes so far; sockets closed meanwhile keep counting
 
+A socket closed between two reads counts in full where the kernel still holds its counters: the
+meter also listens for the kernel's notice of each TCP socket it destroys (sock_diag's destroy
+group), which holds the socket's last counters. (Without it, a connection the other end reset
+lost what it carried since the last read: 0.83 of the link for the last peer of two to stop.) A
+socket its own process closes with a zero linger, as libp2p's do, has its counters reset first:
+it counts as last read.
+
 Linux only; elsewhere (or if the kernel refuses) `available` is False and totals stay 0.
 """
 
@@ -21,6 +28,8 @@ import os
 import socket
 import struct
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 NETLINK_SOCK_DIAG = 4
@@ -28,10 +37,16 @@ SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 INET_DIAG_INFO = 2
+ALL_STATES = 0xFFFFFFFF
+DESTROY_GROUPS = 1 | 1 << 2  # SKNLGRP_INET_TCP_DESTROY (1), SKNLGRP_INET6_TCP_DESTROY (3)
+GONE_KEPT_S = 300.0
+"""How long a socket whose descriptor closed waits for its destroy notice (an orphan in FIN_WAIT2
+lingers up to tcp_fin_timeout, 60 s by default) before its last read count is final."""
 
 _NLMSGHDR = struct.Struct("=IHHII")
 _REQUEST = struct.Struct("=BBBxI48s")  # inet_diag_req_v2: family, protocol, ext, states, id
 _DIAG_MSG = struct.Struct("=BBBB48sIIIII")  # inet_diag_msg: ..., id, expires, rq, wq, uid, inode
+_COOKIE = struct.Struct("=Q")  # the last 8 bytes of inet_diag_sockid: unique per socket, per boot
 _RTATTR = struct.Struct("=HH")
 # offsets in struct tcp_info (include/uapi/linux/tcp.h)
 _BYTES_RECEIVED = struct.Struct("=Q")  # at 128
@@ -54,57 +69,126 @@ class SocketCount:
     received: int
 
 
-def tcp_counts() -> dict[int, SocketCount]:
-    """Every TCP socket of this network namespace, by inode: bytes each way with headers."""
-    counts: dict[int, SocketCount] = {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as nl:
-        nl.settimeout(1.0)  # never hold up a caller (a round being applied) on the kernel
-        for family in (socket.AF_INET, socket.AF_INET6):
-            request = _REQUEST.pack(
-                family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), 0xFFFFFFFF, b""
-            )
-            header = _NLMSGHDR.pack(
-                _NLMSGHDR.size + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0
-            )
-            nl.send(header + request)
-            try:
-                counts.update(_read_dump(nl, HEADER_BYTES[family]))
-            except OSError:
-                if family == socket.AF_INET:
-                    raise
-                # no IPv6 here (disabled, or no inet6 diag module): IPv4 sockets still count
-    return counts
+@dataclass(frozen=True)
+class TcpSocket:
+    """One TCP socket as sock_diag reports it."""
+
+    inode: int  # 0 once no descriptor holds it (closing)
+    family: int
+    sock_id: bytes  # inet_diag_sockid: ports, addresses, interface, cookie
+    count: SocketCount
+
+    @property
+    def cookie(self) -> int:
+        return _COOKIE.unpack_from(self.sock_id, 40)[0]
 
 
-def _read_dump(nl: socket.socket, header_bytes: int) -> dict[int, SocketCount]:
-    counts: dict[int, SocketCount] = {}
+def sock_diag() -> socket.socket:
+    nl = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+    nl.settimeout(1.0)  # never hold up a caller (a round being applied) on the kernel
+    return nl
+
+
+def tcp_sockets(nl: socket.socket) -> dict[int, TcpSocket]:
+    """Every TCP socket of this network namespace, by cookie. (A dump walks the kernel's whole
+    table of connections: about a millisecond per family here, with almost none open.)"""
+    found: dict[int, TcpSocket] = {}
+    for family in (socket.AF_INET, socket.AF_INET6):
+        _ask(nl, family, NLM_F_REQUEST | NLM_F_DUMP, b"")
+        try:
+            for tcp in _messages(nl, until_done=True):
+                found[tcp.cookie] = tcp
+        except OSError:
+            if family == socket.AF_INET:
+                raise
+            # no IPv6 here (disabled, or no inet6 diag module): IPv4 sockets still count
+    return found
+
+
+def look_up(nl: socket.socket, known: TcpSocket) -> TcpSocket | None:
+    """`known` now, found by its addresses and cookie in a few microseconds; None once the
+    kernel holds no counters for it (destroyed, or in TIME_WAIT)."""
+    _ask(nl, known.family, NLM_F_REQUEST, known.sock_id)
+    try:
+        return next(_messages(nl, until_done=False), None)
+    except OSError:  # ENOENT: gone
+        return None
+
+
+def _ask(nl: socket.socket, family: int, flags: int, sock_id: bytes) -> None:
+    request = _REQUEST.pack(
+        family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), ALL_STATES, sock_id
+    )
+    nl.send(
+        _NLMSGHDR.pack(_NLMSGHDR.size + len(request), SOCK_DIAG_BY_FAMILY, flags, 1, 0) + request
+    )
+
+
+def destroy_listener() -> socket.socket | None:
+    """A netlink socket the kernel sends each TCP socket's last counters to as it destroys it
+    (any process may listen), or None where it refuses."""
+    try:
+        nl = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+    except OSError:
+        return None
+    try:
+        nl.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        nl.bind((0, DESTROY_GROUPS))
+        nl.setblocking(False)
+    except OSError:
+        nl.close()
+        return None
+    return nl
+
+
+def destroyed(nl: socket.socket) -> dict[int, SocketCount]:
+    """The sockets destroyed since the last call, by cookie: their last counters. (If more died
+    than the buffer held, the kernel dropped notices: those sockets keep their last read count.)"""
+    out: dict[int, SocketCount] = {}
+    while True:
+        try:
+            for tcp in _messages(nl, until_done=False):
+                out[tcp.cookie] = tcp.count
+        except (BlockingIOError, InterruptedError):
+            return out
+        except OSError:  # ENOBUFS (notices dropped), or one malformed: read on
+            continue
+
+
+def _messages(nl: socket.socket, until_done: bool) -> Iterator[TcpSocket]:
+    """Each socket with counters in the next datagram (a dump's: until its end)."""
     while True:
         data = nl.recv(1 << 16)
         offset = 0
         while offset + _NLMSGHDR.size <= len(data):
             length, kind, _, _, _ = _NLMSGHDR.unpack_from(data, offset)
             if kind == NLMSG_DONE:
-                return counts
+                return
             if kind == NLMSG_ERROR or length < _NLMSGHDR.size:
                 raise OSError("the kernel refused the socket counters (sock_diag)")
-            body = data[offset + _NLMSGHDR.size : offset + length]
-            inode, info = _parse(body)
-            if info is not None and inode:
-                counts[inode] = _count(info, header_bytes)
+            if kind == SOCK_DIAG_BY_FAMILY:
+                tcp = _parse(data[offset + _NLMSGHDR.size : offset + length])
+                if tcp is not None:
+                    yield tcp
             offset += (length + 3) & ~3
+        if not until_done:
+            return
 
 
-def _parse(body: bytes) -> tuple[int, bytes | None]:
-    inode = _DIAG_MSG.unpack_from(body)[-1]
+def _parse(body: bytes) -> TcpSocket | None:
+    """One inet_diag message's socket; None where it holds no tcp_info or an unknown family."""
+    fields = _DIAG_MSG.unpack_from(body)
+    family, sock_id, inode = fields[0], fields[4], fields[-1]
     offset = _DIAG_MSG.size
     while offset + _RTATTR.size <= len(body):
         length, kind = _RTATTR.unpack_from(body, offset)
         if length < _RTATTR.size:
             break
-        if kind == INET_DIAG_INFO:
-            return inode, body[offset + _RTATTR.size : offset + length]
+        if kind == INET_DIAG_INFO and family in HEADER_BYTES:
+            info = body[offset + _RTATTR.size : offset + length]
+            return TcpSocket(inode, family, sock_id, _count(info, HEADER_BYTES[family]))
         offset += (length + 3) & ~3
-    return inode, None
+    return None
 
 
 def _count(info: bytes, header_bytes: int) -> SocketCount:
@@ -128,24 +212,49 @@ def socket_inodes(pid: int) -> set[int]:
     return inodes
 
 
-class WireMeter:
-    """The bytes process `pid`'s TCP sockets moved, headers included. A socket that closes keeps
-    the count it had when last read, so read often (each status publication does)."""
+READ_EVERY_S = 0.25
+"""How often a peer's meter reads its daemon's sockets in the background. A socket the daemon
+closes itself (a zero linger resets its counters) counts as last read: reading every status
+tick (2 s), the peer that stopped second lost the last round it averaged with the first (the
+first's exit closed their connection), 0.74 of its link. A read that finds no new socket looks
+each known one up (microseconds) rather than dumping the kernel's table (2 ms)."""
 
-    def __init__(self, pid: int) -> None:
+
+class WireMeter:
+    """The bytes process `pid`'s TCP sockets moved, headers included. A socket whose descriptor
+    closes keeps the count it had when last read until the kernel's destroy notice gives its
+    last one (none where its process closed it with a zero linger: read often).
+    `every_s`: read in a background thread that often too, until `close()`."""
+
+    def __init__(self, pid: int, every_s: float | None = None) -> None:
         self.pid = pid
-        self._last: dict[int, SocketCount] = {}
-        self._closed = SocketCount(0, 0)
+        self._open: dict[int, TcpSocket] = {}  # by cookie: sockets the process holds
+        self._gone: dict[int, tuple[SocketCount, float]] = {}  # closed, awaiting their notice
+        self._closed = SocketCount(0, 0)  # counted sockets no longer held, as last known
+        self._not_tcp: set[int] = set()  # inodes of the process's other sockets
         self._lock = threading.Lock()  # the training thread and the status publisher read it
+        self._notices = destroy_listener()
+        self._nl: socket.socket | None = None
         self.available = True
+        try:
+            self._nl = sock_diag()
+        except OSError:
+            self.available = False
         self.totals()
+        self._stop = threading.Event()
+        self._reader: threading.Thread | None = None
+        if every_s is not None and self.available:
+            self._reader = threading.Thread(
+                target=self._read_every, args=(every_s,), name="wire-meter", daemon=True
+            )
+            self._reader.start()
 
     def totals(self) -> tuple[float, float]:
         """(sent, received) now: reads the kernel's counters."""
         with self._lock:
-            if self.available:
+            if self.available and self._nl is not None:
                 try:
-                    self._read()
+                    self._read(self._nl)
                 except (OSError, struct.error):  # the daemon gone, or a reply cut short
                     self.available = False
             return self._sum()
@@ -155,27 +264,63 @@ class WireMeter:
         with self._lock:
             return self._sum()
 
+    def close(self) -> None:
+        """Stop reading in the background; `last_totals()` keeps the last figures."""
+        self._stop.set()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        with self._lock:
+            for nl in (self._notices, self._nl):
+                if nl is not None:
+                    nl.close()
+            self._notices = self._nl = None
+
+    def _read_every(self, seconds: float) -> None:
+        while not self._stop.wait(seconds) and self.available:
+            self.totals()
+
     def _sum(self) -> tuple[float, float]:
-        sent = self._closed.sent + sum(c.sent for c in self._last.values())
-        received = self._closed.received + sum(c.received for c in self._last.values())
+        sent = self._closed.sent + sum(t.count.sent for t in self._open.values())
+        received = self._closed.received + sum(t.count.received for t in self._open.values())
         return float(sent), float(received)
 
-    def _read(self) -> None:
-        mine = socket_inodes(self.pid)
-        counts = tcp_counts()
-        now = {inode: counts[inode] for inode in mine if inode in counts}
-        # closed since the last read, or (its counters lower: they only grow) a new socket on
-        # a reused inode: the old socket's count is kept
-        ended = [
-            c
-            for inode, c in self._last.items()
-            if inode not in now or now[inode].sent < c.sent or now[inode].received < c.received
-        ]
+    def _add_closed(self, count: SocketCount, minus: SocketCount = SocketCount(0, 0)) -> None:
+        """Add what `count` holds beyond `minus` (nothing for a field where it holds less)."""
         self._closed = SocketCount(
-            self._closed.sent + sum(c.sent for c in ended),
-            self._closed.received + sum(c.received for c in ended),
+            self._closed.sent + max(count.sent - minus.sent, 0),
+            self._closed.received + max(count.received - minus.received, 0),
         )
-        self._last = now
+
+    def _read(self, nl: socket.socket) -> None:
+        if self._notices is not None:  # first the sockets the kernel destroyed meanwhile
+            for cookie, last in destroyed(self._notices).items():
+                if cookie in self._open:  # (zeros where it was closed with a zero linger)
+                    seen = self._open.pop(cookie).count
+                    self._add_closed(last, minus=seen)
+                    self._add_closed(seen)
+                elif cookie in self._gone:
+                    self._add_closed(last, minus=self._gone.pop(cookie)[0])
+        mine = socket_inodes(self.pid)
+        known = {t.inode for t in self._open.values()}
+        if mine - known - self._not_tcp:  # a socket not seen yet: the whole table, once
+            table = tcp_sockets(nl)
+            tcp = {t.inode for t in table.values()}
+            self._not_tcp = {i for i in mine if i not in tcp}
+            now = {
+                cookie: t
+                for cookie, t in table.items()
+                if t.inode in mine or cookie in self._open  # an orphan (closing) still counts
+            }
+        else:  # only sockets it knows: each looked up
+            now = {c: t for c, old in self._open.items() if (t := look_up(nl, old)) is not None}
+        clock = time.monotonic()
+        for cookie, old in self._open.items():
+            if cookie not in now:  # gone: counted as last read, until its notice
+                self._add_closed(old.count)
+                if self._notices is not None:
+                    self._gone[cookie] = (old.count, clock)
+        self._gone = {c: g for c, g in self._gone.items() if clock - g[1] < GONE_KEPT_S}
+        self._open = now
 
 
 def daemon_meter(dht_pid: int) -> WireMeter | None:
@@ -189,6 +334,6 @@ def daemon_meter(dht_pid: int) -> WireMeter | None:
     for helper in helpers:
         with contextlib.suppress(psutil.Error):
             if helper.name() == "p2pd":
-                meter = WireMeter(helper.pid)
+                meter = WireMeter(helper.pid, every_s=READ_EVERY_S)
                 return meter if meter.available else None
     return None
