@@ -64,9 +64,12 @@ def barrier(work: Path, name: str, index: int) -> None:
         time.sleep(0.05)
 
 
-SLOW_START_S = 3.5
-"""How late `late` starts its all-reduce: past the harness's sender timeout (8 s / 3), short of
-its reducer timeout (twice that)."""
+TIMEOUT_S = 8.0
+"""The averagers' round timeout; hivemind's sender timeout is a third of it, the reducer's two
+thirds. `late` runs with twice as long, so that its margins hold on a loaded machine."""
+SLOW_START_S = 7.0
+"""How late `late` starts its all-reduce: 1.7 s past its sender timeout (16 s / 3), 3.7 s short
+of its reducer timeout (twice that)."""
 
 
 def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float = 10.0) -> None:
@@ -145,7 +148,7 @@ def main() -> None:
         cut_pieces({"w": NUMEL}),
         "none",
         2.0,
-        8.0,
+        2 * TIMEOUT_S if attack == "late" else TIMEOUT_S,
         8,
         lambda: ({}, []),
         gate,

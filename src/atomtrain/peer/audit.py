@@ -232,7 +232,10 @@ class AuditedRunner(RobustRunner):
         parts: dict[int, torch.Tensor] = {}
         current = 0
         try:
-            async for message in aiter_with_timeout(stream, self._timeout):
+            # a reducer combines a part once every sender's came or its sender timeout dropped
+            # the rest: a gap of up to that timeout is honest (the same gap here named it a
+            # staller whenever one of its senders was late)
+            async for message in aiter_with_timeout(stream, 2 * self._timeout):
                 self.traffic.add(RECEIVED, message)
                 part_index = int(message.weight)
                 sender = self.sender_peer_ids.index(PeerID(message.peer_id))
