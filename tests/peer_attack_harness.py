@@ -72,9 +72,9 @@ SLOW_START_S = 7.0
 of its reducer timeout (twice that)."""
 
 
-def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float = 10.0) -> None:
+def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float = 10.0) -> bool:
     """Join a group, then go silent: the averager's process frozen for `frozen_s` (past the
-    round's timeout by default)."""
+    round's timeout by default). False: it found no group, and so froze nothing."""
     avg.start(
         lambda piece, out: out.copy_(delta[piece.offset : piece.offset + piece.numel]),
         1.0,
@@ -89,7 +89,8 @@ def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float = 10
     deadline = time.time() + 20
     while not avg.group_found() and not avg.done() and time.time() < deadline:
         time.sleep(0.01)
-    if avg.group_found() and not avg.done():
+    froze = avg.group_found() and not avg.done()
+    if froze:
         os.kill(avg.averager.pid, signal.SIGSTOP)
         time.sleep(frozen_s)
         os.kill(avg.averager.pid, signal.SIGCONT)
@@ -97,6 +98,7 @@ def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float = 10
         time.sleep(0.05)
     with contextlib.suppress(RoundFailed):
         avg.result()
+    return froze
 
 
 def main() -> None:
@@ -161,7 +163,7 @@ def main() -> None:
         weight = claimed_tokens(attack, weight)
         rms_claim = 1e3 * float(delta.pow(2).mean().sqrt()) if attack == "inflate" else 0.0
     rounds, rejected, stalled = [], [], []
-    for r in range(ROUNDS):
+    for r in range(2 if attack == "late" else ROUNDS):  # late: named in its first, or never
         # the proof lives 30 s in the DHT (auth.PROOF_TTL_S); a peer re-stores it every 10 s: so
         # does each process here, before each round (a round after 30 s found no certificate)
         declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
@@ -171,7 +173,8 @@ def main() -> None:
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
         if index == 2 and attack in ("stall", "late"):
-            stalled_round(avg, delta, 10.0 if attack == "stall" else SLOW_START_S)
+            if stalled_round(avg, delta, 10.0 if attack == "stall" else SLOW_START_S):
+                (work / f"froze{r}").touch()  # in a group: the round it was meant to slow
             continue
         try:
             rounds.append(

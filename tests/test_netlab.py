@@ -137,11 +137,10 @@ c.sendall(b"y" * 400_000); c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
 METERED_CLIENT = """
 import os, socket, sys, time
 from atomtrain.peer.wire import WireMeter
-often, seldom = WireMeter(os.getpid()), WireMeter(os.getpid())
 for _ in range(200):
     try: s = socket.create_connection((sys.argv[1], 5557)); break
     except ConnectionRefusedError: time.sleep(0.1)
-often.totals(); seldom.totals()  # both see the connection before it carried anything
+often, seldom = WireMeter(os.getpid()), WireMeter(os.getpid())  # both see it, still empty
 s.sendall(b"x" * 1_000_000); n = 0
 while (d := s.recv(65536)):
     n += len(d)
@@ -166,6 +165,7 @@ def test_the_wire_meter_counts_what_the_link_counts():
             text=True,
         )
         out, _ = client.communicate(timeout=60)
+        assert client.returncode == 0 and len(out.splitlines()) == 2, out
         assert server.wait(timeout=30) == 0
         link_sent, link_received = (
             a - b for a, b in zip(lab.link_bytes()[0], before[0], strict=True)

@@ -393,6 +393,7 @@ def test_a_member_that_starts_its_rounds_late_is_not_named_a_staller(tmp_path: P
     rounds: on a loaded machine, an honest peer slow to start once lost the next rounds with
     it, and its partner one of them.)"""
     outs = run_round(tmp_path, "late", defend=True)
+    assert list((tmp_path / "late-defended").glob("froze*")), "peer 2 was never late in a group"
     for out in outs.values():
         assert not out["stalled"] and not out["rejected"], (out["stalled"], out["rejected"])
 

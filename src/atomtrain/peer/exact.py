@@ -64,6 +64,14 @@ class ExactAverageRunner(CountedRunner):
             [p in out_of_sync and is_delta for is_delta in delta_parts]
             for p in self.sender_peer_ids
         ]
+        self._delivered: set[Any] = set()  # reducers that sent this member any average
+        register = self.tensor_part_container.register_processed_part
+
+        def registered(peer_index: int, part_index: int, part: Any) -> None:
+            self._delivered.add(self.ordered_peer_ids[peer_index])
+            register(peer_index, part_index, part)
+
+        self.tensor_part_container.register_processed_part = registered
 
     def _weighed(self, sender_index: int, part_index: int, part: Any, weight: float) -> Any:
         """(part, weight) as this reducer adds it. One that weighs nothing goes in as zeros
@@ -82,7 +90,9 @@ class ExactAverageRunner(CountedRunner):
         machine was left out of the next two rounds as if it had.)"""
         if not self._future.done():
             for peer_id in self.sender_peer_ids:
-                if peer_id not in self.active_senders and peer_id in self.banned_senders:
+                if peer_id in self.banned_senders and not (
+                    peer_id in self.active_senders or peer_id in self._delivered
+                ):  # (its averages may beat its own parts here: it ran the round)
                     self._stalled(peer_id, "sent none of its parts")
         super().finalize(**kwargs)
 

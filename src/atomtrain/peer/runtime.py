@@ -1068,9 +1068,10 @@ class PeerRuntime:
             last: dict[str, Any] = {"step": self._step, "averager_bytes": sent + received}
             if self.wire is not None:
                 last["wire_bytes"] = sum(self.wire.totals())
-                self.wire.close()
             MetricsLog(self.run_dir / "metrics.jsonl").write(last)
             self.averager = None
+        if self.wire is not None:
+            self.wire.close()  # its reading thread and netlink sockets
         if self.dht is not None:
             self.dht.shutdown()
             _reap(self.dht)
