@@ -1062,8 +1062,7 @@ class PeerRuntime:
             self.averager.shutdown()
             _reap(self.averager.averager)
             # what the peer moved after its last step's record too, read once its averager is
-            # gone: a round another peer led could still be running with it until then (read
-            # before, the first of two peers to stop missed one round's bytes: 0.83 of its link)
+            # gone: a round with other peers could still be running until then
             sent, received = self.averager.traffic.totals()
             last: dict[str, Any] = {"step": self._step, "averager_bytes": sent + received}
             if self.wire is not None:
