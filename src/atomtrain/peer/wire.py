@@ -13,10 +13,8 @@ carries, where traffic.py counts only what the averager's messages hold.
 
 A socket closed between two reads counts in full where the kernel still holds its counters: the
 meter also listens for the kernel's notice of each TCP socket it destroys (sock_diag's destroy
-group), which holds the socket's last counters. (Without it, a connection the other end reset
-lost what it carried since the last read: 0.83 of the link for the last peer of two to stop.) A
-socket its own process closes with a zero linger, as libp2p's do, has its counters reset first:
-it counts as last read.
+group), which holds the socket's last counters. A socket its own process closes with a zero
+linger, as libp2p's do, has its counters reset first: it counts as last read (READ_EVERY_S).
 
 Linux only; elsewhere (or if the kernel refuses) `available` is False and totals stay 0.
 """
@@ -333,8 +331,9 @@ class WireMeter:
             for cookie, last in destroyed(self._notices).items():
                 if cookie in self._open:  # (zeros where it was closed with a zero linger)
                     seen = self._open.pop(cookie).count
-                    self._add_closed(last, minus=seen)
-                    self._add_closed(seen)
+                    self._add_closed(
+                        SocketCount(max(last.sent, seen.sent), max(last.received, seen.received))
+                    )
                 elif cookie in self._gone:
                     self._add_closed(last, minus=self._gone.pop(cookie)[0])
         mine = socket_inodes(self.pid)
