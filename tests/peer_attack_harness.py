@@ -123,6 +123,7 @@ def main() -> None:
     if index == 0:
         addr_file.write_text(str(dht.get_visible_maddrs()[0]))
     declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
+    print(f"peer {index} is {dht.peer_id.to_base58()}", flush=True)  # to read its log by
     if attack == "lying_reducer_far":  # the averager's process is forked from this one
         averaging.lie_sizes, attack = (lambda factor: 20.0), "lying_reducer"
     if attack == "forging_reducer" and index == 2:  # forwards its own part as everyone's
