@@ -99,6 +99,13 @@ def test_the_attack_report_compares_with_clean_and_counts_rounds_until_rejected(
     assert alie["neutralized"][0]["rounds_applied_with_attacker"] == 5
     assert not alie["defended_within_5pct"]  # 3.5 is 13% above 3.1
     assert nan["rounds_applied_defended"] == [5, 5] and alie["rounds_applied_undefended"] == [5]
+    assert nan["rounds_failed_defended"] == [0, 0] and nan["failed_round_s_defended"] == [None] * 2
+    stalled = run([3.1, 3.1], attacker=None)
+    stalled.records[0][2] = {"round": 3, "failed_round_s": 4.0}  # h0 failed two rounds
+    stalled.records[0][4] = {"round": 5, "failed_round_s": 6.0}
+    stalled.records[1][2] = {"round": 3, "failed_round_s": 11.0}  # h1 one
+    x = attack_report(clean, {"stall": {"defended": [stalled]}})["attacks"][0]
+    assert x["rounds_failed_defended"] == [2] and x["failed_round_s_defended"] == [6.0]
     honest_banned = run([3.1, 3.1], banned_after=0)
     honest_banned.records[0][0]["rejected_peers"] = ["h1"]
     assert (

@@ -29,9 +29,11 @@ from atomtrain.peer.auth import (
     write_new_key,
 )
 from atomtrain.peer.averaging import (
+    CHUNK_FLOOR_S,
     FORGIVE_ROUNDS,
     GuardedAverager,
     ProbedAverager,
+    chunk_timeout,
     exclusion_rounds,
     stalls_remembered,
 )
@@ -368,6 +370,19 @@ def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
         at += left_out[-1] + 1
     assert left_out == [2, 4, 8, 16, 32, 64, 128, 256]
     assert len(events) == 13 and all(e[2] == "stall" for e in events)
+
+
+def test_a_stalled_round_is_held_for_what_completed_rounds_took_not_the_configured_timeout():
+    """A silent member holds its group's round for the reducer timeout, twice the sender
+    timeout. That follows the all-reduces this member completed (4x their median), within a
+    floor and the configured timeout's third; a slow link's long rounds keep it long."""
+    cap = 5.0  # a 15 s round timeout (bench attack)
+    assert chunk_timeout([], cap) == chunk_timeout([0.3, 0.3], cap) == cap  # too few to judge
+    assert chunk_timeout([0.3, 0.2, 0.4], cap) == CHUNK_FLOOR_S  # sub-second rounds: the floor
+    assert chunk_timeout([0.9, 1.0, 1.1], cap) == pytest.approx(4.0)
+    assert chunk_timeout([40.0] * 8, cap) == cap  # a slow link: the configured timeout
+    # one long round (a stall, a loaded machine) among short ones moves the median not at all
+    assert chunk_timeout([0.3] * 4 + [30.0], cap) == CHUNK_FLOOR_S
 
 
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):

@@ -99,6 +99,18 @@ def rounds_applied(run: SwarmRun) -> int:
     return min((sum(1 for r in log if "round_s" in r) for log in run.records), default=0)
 
 
+def rounds_failed(run: SwarmRun) -> int:
+    """Rounds the honest peer that failed most failed (a stall should cost one per stall)."""
+    return max((sum(1 for r in log if "failed_round_s" in r) for log in run.records), default=0)
+
+
+def failed_round_s(run: SwarmRun) -> float | None:
+    """The median wall time of the honest peers' failed rounds, from each round's start (what a
+    stall holds a round for); None when none failed."""
+    times = [r["failed_round_s"] for log in run.records for r in log if "failed_round_s" in r]
+    return statistics.median(times) if times else None
+
+
 def spread(values: list[float | None]) -> dict[str, Any]:
     ranked = [math.inf if v is None else v for v in values]
     med = statistics.median(ranked) if ranked else math.inf
@@ -131,6 +143,8 @@ def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRu
                 "neutralized": [neutralized(r) for r in defended],
                 "rounds_applied_defended": [rounds_applied(r) for r in defended],
                 "rounds_applied_undefended": [rounds_applied(r) for r in undefended],
+                "rounds_failed_defended": [rounds_failed(r) for r in defended],
+                "failed_round_s_defended": [failed_round_s(r) for r in defended],
             }
         )
     return {
@@ -148,6 +162,8 @@ def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRu
             "rounds_applied_with_attacker: all the rounds an honest peer applied with it in "
             "its group; honest_peers_left_out: honest peers another honest peer excluded for "
             "a while; rounds_applied: per seed, the rounds the honest peer that applied fewest "
-            "applied"
+            "applied; rounds_failed: per seed, the rounds the honest peer that failed most "
+            "failed; failed_round_s: per seed, the median wall time of the honest peers' failed "
+            "rounds"
         ),
     }

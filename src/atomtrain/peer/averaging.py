@@ -54,6 +54,8 @@ import queue
 import random
 import signal
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -122,6 +124,14 @@ FORGIVE_ROUNDS = 32
 member's last exclusion, forgive it one stall: an honest peer whose link failed now and then
 over a long run is not left out for ever longer, while one that stalls whenever it is let back
 in is left out ever longer."""
+CHUNK_FLOOR_S = 2.0
+"""The shortest sender timeout a round gets (seconds a member may go without sending its next
+part; a reducer gets twice as long for its next average)."""
+CHUNK_MARGIN = 4.0
+"""A round's sender timeout is this many times the median of the last all-reduces that completed
+(`chunk_timeout`)."""
+CHUNK_ROUNDS = 8
+"""The completed all-reduces that median is taken over."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
@@ -452,6 +462,22 @@ def stalls_remembered(stalls: int, rounds_since: int) -> int:
     return max(stalls - max(rounds_since, 0) // FORGIVE_ROUNDS, 0)
 
 
+def chunk_timeout(durations: Sequence[float], cap: float) -> float:
+    """The sender timeout of the next round: `CHUNK_MARGIN` times the median of the last
+    all-reduces that completed (each from this member's start of it to its end: every chunk gap
+    in it was shorter), within [`CHUNK_FLOOR_S`, `cap`], where `cap` is the configured timeout's
+    (a third of the round's). Until three have completed, `cap`.
+
+    A member that joins a group and goes silent holds the others' round for the reducer timeout,
+    twice this: with the configured one alone, 10 s of a 15 s round timeout where rounds
+    completed in well under a second (bench attack), several rounds' worth of wall time per
+    stall. A slow link or a slow member makes the completed all-reduces long, and the timeout
+    with them."""
+    if len(durations) < 3:
+        return cap
+    return min(max(CHUNK_MARGIN * float(np.median(durations)), CHUNK_FLOOR_S), cap)
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -491,6 +517,8 @@ class GuardedAverager(DecentralizedAverager):
         self._stalls: dict[PeerID, tuple[int, int]] = {}  # peer -> (stalls, at round)
         self._rounds = 0  # rounds this member began
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
+        self._chunk_cap = float(kwargs.get("next_chunk_timeout") or CHUNK_FLOOR_S)
+        self._completed_s: deque[float] = deque(maxlen=CHUNK_ROUNDS)  # all-reduces that ended
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -660,6 +688,8 @@ class GuardedAverager(DecentralizedAverager):
         self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
         self._rounds += 1
         self._leaders.clear()
+        sender_s = chunk_timeout(self._completed_s, self._chunk_cap)
+        self.allreduce_kwargs.update(sender_timeout=sender_s, reducer_timeout=2 * sender_s)
         self._round_at = step.scheduled_time
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
@@ -766,6 +796,7 @@ class GuardedAverager(DecentralizedAverager):
     # --- robust all-reduce ------------------------------------------------------------------
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        began = time.perf_counter()
         try:
             group_info = await self._checked(group_info)
             if not self._audited and any(
@@ -773,7 +804,9 @@ class GuardedAverager(DecentralizedAverager):
             ):
                 # take part for the others; apply nothing (module docstring)
                 self._discard.value = self._discard.value or BANNED
-            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+            self._completed_s.append(time.perf_counter() - began)
+            return gathered
         finally:
             started = self._running_groups.get(group_info.group_id)
             if started is not None and not started.done():
@@ -790,6 +823,8 @@ class GuardedAverager(DecentralizedAverager):
         if self._defence is not None:
             runner_type = AuditedRunner if self._defence.audit else RobustRunner
             extra = self._robust_arguments(group_info, self._defence)
+            if self._defence.audit:
+                extra["longest_sender_s"] = self._chunk_cap
             extra["on_stall"] = self._stall
             if self._attack == "lying_auditor":  # bench attack only
                 extra["slander"] = SLANDER

@@ -802,6 +802,7 @@ class PeerRuntime:
         try:
             result = av.result()
         except RoundFailed as e:
+            record["failed_round_s"] = time.perf_counter() - self._round_started
             self._lose_round(str(e))
             return
         self._apply(result, record)
