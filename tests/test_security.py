@@ -375,7 +375,8 @@ def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
 def test_a_stalled_round_is_held_for_what_completed_rounds_took_not_the_configured_timeout():
     """A silent member holds its group's round for the reducer timeout, twice the sender
     timeout. That follows the all-reduces this member completed (4x their median), within a
-    floor and the configured timeout's third; a slow link's long rounds keep it long."""
+    floor (twice the trainer's longest recent pause, when longer) and the configured timeout's
+    third; a slow link's long rounds keep it long."""
     cap = 5.0  # a 15 s round timeout (bench attack)
     assert chunk_timeout([], cap) == chunk_timeout([0.3, 0.3], cap) == cap  # too few to judge
     assert chunk_timeout([0.3, 0.2, 0.4], cap) == CHUNK_FLOOR_S  # sub-second rounds: the floor
@@ -383,6 +384,10 @@ def test_a_stalled_round_is_held_for_what_completed_rounds_took_not_the_configur
     assert chunk_timeout([40.0] * 8, cap) == cap  # a slow link: the configured timeout
     # one long round (a stall, a loaded machine) among short ones moves the median not at all
     assert chunk_timeout([0.3] * 4 + [30.0], cap) == CHUNK_FLOOR_S
+    # a trainer that paused 1.5 s between steps (an evaluation): members start their all-reduces
+    # up to that apart, and a late one's parts must still count
+    assert chunk_timeout([0.3] * 4, cap, pause_s=1.5) == pytest.approx(3.0)
+    assert chunk_timeout([0.3] * 4, cap, pause_s=60.0) == cap
 
 
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):

@@ -205,6 +205,7 @@ class ProbedAverager:
         self.kinds = [DELTA, PROBE]  # by the round layout's compression keys
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
+        self._pause_s: Any = mp.get_context("fork").Value("d", 0.0)  # read by hivemind's process
         self._stalls: list[tuple[str, str]] = []
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata (events)
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
@@ -220,6 +221,7 @@ class ProbedAverager:
             inputs,
             self.traffic,
             self._discard,
+            self._pause_s,
             tensors,
             dht,
             # a member's round is scheduled at most this far from its group's (retries keep it)
@@ -245,6 +247,10 @@ class ProbedAverager:
         self._probe = 0.0
         self._control: Any = None
         self._triggered = False
+
+    def note_pause(self, seconds: float) -> None:
+        """The longest this member's trainer lately went between two steps (chunk_timeout)."""
+        self._pause_s.value = float(seconds)
 
     def held_bytes(self) -> int:
         """Host bytes this averager holds for the round (averaged tensors and own copy)."""
@@ -462,20 +468,24 @@ def stalls_remembered(stalls: int, rounds_since: int) -> int:
     return max(stalls - max(rounds_since, 0) // FORGIVE_ROUNDS, 0)
 
 
-def chunk_timeout(durations: Sequence[float], cap: float) -> float:
+def chunk_timeout(durations: Sequence[float], cap: float, pause_s: float = 0.0) -> float:
     """The sender timeout of the next round: `CHUNK_MARGIN` times the median of the last
     all-reduces that completed (each from this member's start of it to its end: every chunk gap
-    in it was shorter), within [`CHUNK_FLOOR_S`, `cap`], where `cap` is the configured timeout's
-    (a third of the round's). Until three have completed, `cap`.
+    in it was shorter), within [`CHUNK_FLOOR_S` or twice `pause_s` if longer, `cap`], where `cap`
+    is the configured timeout's (a third of the round's). Until three have completed, `cap`.
 
     A member that joins a group and goes silent holds the others' round for the reducer timeout,
     twice this: with the configured one alone, 10 s of a 15 s round timeout where rounds
     completed in well under a second (bench attack), several rounds' worth of wall time per
     stall. A slow link or a slow member makes the completed all-reduces long, and the timeout
-    with them."""
+    with them. `pause_s`: the longest this member's trainer lately went between two steps (an
+    evaluation, a checkpoint): each member starts its all-reduce when its trainer reaches the
+    round's slot, so a member of the group may start that much later than the others (peers of
+    one swarm train alike), and its parts must still count."""
+    floor = max(CHUNK_FLOOR_S, 2 * pause_s)
     if len(durations) < 3:
         return cap
-    return min(max(CHUNK_MARGIN * float(np.median(durations)), CHUNK_FLOOR_S), cap)
+    return min(max(CHUNK_MARGIN * float(np.median(durations)), floor), cap)
 
 
 def _finite(x: float) -> bool:
@@ -501,13 +511,14 @@ class GuardedAverager(DecentralizedAverager):
         inputs: list[torch.Tensor],
         traffic: Traffic,
         discard: Any,
+        pause_s: Any,
         *args: Any,
         window_s: float = 60.0,
         attack: str = "",
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._traffic, self._discard = traffic, discard
+        self._traffic, self._discard, self._pause_s = traffic, discard, pause_s
         self._window_s, self._attack = window_s, attack
         self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
         self._sealed = b""  # what this member sent its group this round
@@ -688,7 +699,7 @@ class GuardedAverager(DecentralizedAverager):
         self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
         self._rounds += 1
         self._leaders.clear()
-        sender_s = chunk_timeout(self._completed_s, self._chunk_cap)
+        sender_s = chunk_timeout(self._completed_s, self._chunk_cap, self._pause_s.value)
         self.allreduce_kwargs.update(sender_timeout=sender_s, reducer_timeout=2 * sender_s)
         self._round_at = step.scheduled_time
         if self._gate.signing_key is not None:  # this step's copy, in this process

@@ -128,6 +128,10 @@ different periods still meet (at every slot of the longer)."""
 SLOT_MARGIN_S = 0.25
 """A round that could look for its group only this long before its slot takes the next slot."""
 MAX_PERIOD_S = 3600.0
+PAUSE_MEMORY_S = 300.0
+"""How long the trainer's longest pause between two steps (an evaluation, a checkpoint) is
+remembered, fading: the averager lets a group member start its all-reduce twice that late
+(averaging.chunk_timeout)."""
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
 (rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
@@ -200,6 +204,7 @@ class PeerRuntime:
         """The slot (unix seconds) the last round started at."""
         self._step_s = 0.0
         self._last_step_at = 0.0
+        self._longest_pause_s = 0.0  # between two steps, fading over PAUSE_MEMORY_S
         self._round_started = 0.0
         self.last_round_s = 0.0
         self.last_round_bytes = 0.0
@@ -627,6 +632,10 @@ class PeerRuntime:
         if self._last_step_at:  # wall time per step, evaluation and rounds included
             dt = now - self._last_step_at
             self._step_s = dt if not self._step_s else 0.8 * self._step_s + 0.2 * dt
+            fade = math.exp(-dt / PAUSE_MEMORY_S)
+            self._longest_pause_s = max(dt, self._longest_pause_s * fade)
+            if self.averager is not None:
+                self.averager.note_pause(self._longest_pause_s)
         self._last_step_at = now
         self.train_state = state
         self.steps_since_round += 1
