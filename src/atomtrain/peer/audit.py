@@ -114,10 +114,8 @@ def agree(seen: list[torch.Tensor], told: list[torch.Tensor]) -> bool:
 class AuditedRunner(RobustRunner):
     """The robust all-reduce with every span audited (module docstring). `on_doubt` blames."""
 
-    def __init__(self, *, slander: float = 1.0, longest_sender_s: float = 0.0, **kwargs: Any):
-        """`slander`: bench attack's lying auditor scales the projections it reports.
-        `longest_sender_s`: the longest sender timeout any member of the group may use (each
-        shortens its own from its completed rounds: averaging.chunk_timeout)."""
+    def __init__(self, *, slander: float = 1.0, **kwargs: Any) -> None:
+        """`slander`: bench attack's lying auditor scales the projections it reports."""
         self._slander = slander
         kwargs["banned"] = set()  # reducers of audited rounds combine by what they can measure
         super().__init__(**kwargs)
@@ -132,7 +130,6 @@ class AuditedRunner(RobustRunner):
         self._fell_back: set[int] = set()  # spans whose reducer failed: our own part stands in
         self._sent: dict[int, list[bytes]] = {s: [] for s in reducers}  # per-part hashes
         self._timeout = float(self.sender_timeout or 10.0)
-        self._longest_sender_s = max(longest_sender_s, self._timeout)
         # as a reducer: the parts it holds until it combined them, then streams to its auditor
         self._held: dict[tuple[int, int], Any] = {}
         self._forward: asyncio.Queue = asyncio.Queue()
@@ -236,10 +233,9 @@ class AuditedRunner(RobustRunner):
         current = 0
         try:
             # a reducer combines a part once every sender's came or its sender timeout dropped
-            # the rest: a gap of up to that timeout (its own, which may be longer than this
-            # member's) is honest (the same gap here named it a staller whenever one of its
-            # senders was late)
-            async for message in aiter_with_timeout(stream, 2 * self._longest_sender_s):
+            # the rest: a gap of up to that timeout is honest (the same gap here named it a
+            # staller whenever one of its senders was late)
+            async for message in aiter_with_timeout(stream, 2 * self._timeout):
                 self.traffic.add(RECEIVED, message)
                 part_index = int(message.weight)
                 sender = self.sender_peer_ids.index(PeerID(message.peer_id))

@@ -131,7 +131,9 @@ CHUNK_MARGIN = 4.0
 """A round's sender timeout is this many times the median of the last all-reduces that completed
 (`chunk_timeout`)."""
 CHUNK_ROUNDS = 8
-"""The completed all-reduces that median is taken over."""
+"""The landed all-reduces that median is taken over."""
+PAUSE_WINDOW_S = 600.0
+"""How long a pause of the trainer between two steps counts for `chunk_timeout`."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
@@ -205,7 +207,12 @@ class ProbedAverager:
         self.kinds = [DELTA, PROBE]  # by the round layout's compression keys
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
-        self._pause_s: Any = mp.get_context("fork").Value("d", 0.0)  # read by hivemind's process
+        # written by hivemind's process: the sender timeout of the last all-reduce this member
+        # ran, and the seconds the last one that completed took
+        self._timing: Any = mp.get_context("fork").Array("d", 2, lock=False)
+        self._landed_s: deque[float] = deque(maxlen=CHUNK_ROUNDS)  # all-reduces of landed rounds
+        self._pauses = WindowMax(PAUSE_WINDOW_S)
+        self._chunk_cap = max(timeout_s / 3, CHUNK_FLOOR_S)
         self._stalls: list[tuple[str, str]] = []
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata (events)
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
@@ -221,7 +228,7 @@ class ProbedAverager:
             inputs,
             self.traffic,
             self._discard,
-            self._pause_s,
+            self._timing,
             tensors,
             dht,
             # a member's round is scheduled at most this far from its group's (retries keep it)
@@ -234,7 +241,7 @@ class ProbedAverager:
             min_matchmaking_time=matchmaking_s,
             request_timeout=1.0,
             allreduce_timeout=timeout_s,
-            next_chunk_timeout=max(timeout_s / 3, 2.0),
+            next_chunk_timeout=self._chunk_cap,
             compression=PerTensorCompression([wire, NoCompression()]),
             state_compression=NoCompression(),
             allow_state_sharing=True,
@@ -248,9 +255,15 @@ class ProbedAverager:
         self._control: Any = None
         self._triggered = False
 
+    @property
+    def part_timeout_s(self) -> float:
+        """The sender timeout the last all-reduce this member ran used (its group's,
+        group_chunk_timeout); a reducer's was twice that. 0 before any."""
+        return float(self._timing[0])
+
     def note_pause(self, seconds: float) -> None:
-        """The longest this member's trainer lately went between two steps (chunk_timeout)."""
-        self._pause_s.value = float(seconds)
+        """The trainer went `seconds` between two steps (chunk_timeout takes the longest)."""
+        self._pauses.add(seconds)
 
     def held_bytes(self) -> int:
         """Host bytes this averager holds for the round (averaged tensors and own copy)."""
@@ -302,6 +315,7 @@ class ProbedAverager:
         self._discard.value = 0
         self._probe_in.fill_(self._probe)
         gather = {**info, "probe": self._probe, "weight": weight}
+        gather["chunk_s"] = chunk_timeout(self._landed_s, self._chunk_cap, self._pauses.max())
         if self.defence is not None:  # every reducer and auditor of the group uses its median
             gather["min_scale"] = self.defence.min_scale
         return self.averager.step(
@@ -386,6 +400,7 @@ class ProbedAverager:
                 f"partial round: {len(bad)} of {len(seen)} probes unaveraged "
                 f"(a group member left mid-round or sent bad averages); discarded"
             )
+        self._landed_s.append(self._timing[1])  # every check passed: it landed
         return RoundResult(
             len(peers),
             peers,
@@ -469,23 +484,59 @@ def stalls_remembered(stalls: int, rounds_since: int) -> int:
 
 
 def chunk_timeout(durations: Sequence[float], cap: float, pause_s: float = 0.0) -> float:
-    """The sender timeout of the next round: `CHUNK_MARGIN` times the median of the last
-    all-reduces that completed (each from this member's start of it to its end: every chunk gap
-    in it was shorter), within [`CHUNK_FLOOR_S` or twice `pause_s` if longer, `cap`], where `cap`
-    is the configured timeout's (a third of the round's). Until three have completed, `cap`.
+    """The sender timeout this member proposes to its next group: `CHUNK_MARGIN` times the
+    median of its last all-reduces that landed (each from this member's start of it to its end:
+    every gap between two parts in it was shorter), within [`CHUNK_FLOOR_S` or twice `pause_s`
+    if longer, `cap`], where `cap` is the configured timeout's (a third of the round's). Until
+    three have landed, `cap`. `pause_s`: the longest this member's trainer lately went between
+    two steps (an evaluation, a checkpoint): a member starts its all-reduce when its trainer
+    reaches the round's slot, so it may start that much later than the others.
 
     A member that joins a group and goes silent holds the others' round for the reducer timeout,
-    twice this: with the configured one alone, 10 s of a 15 s round timeout where rounds
-    completed in well under a second (bench attack), several rounds' worth of wall time per
-    stall. A slow link or a slow member makes the completed all-reduces long, and the timeout
-    with them. `pause_s`: the longest this member's trainer lately went between two steps (an
-    evaluation, a checkpoint): each member starts its all-reduce when its trainer reaches the
-    round's slot, so a member of the group may start that much later than the others (peers of
-    one swarm train alike), and its parts must still count."""
-    floor = max(CHUNK_FLOOR_S, 2 * pause_s)
+    twice the sender timeout: with the configured one alone, 10 s of a 15 s round timeout where
+    rounds landed in well under a second (bench attack), several rounds' worth of wall time per
+    stall. A slow link makes the landed all-reduces long, and the timeout with them."""
     if len(durations) < 3:
         return cap
+    floor = max(CHUNK_FLOOR_S, 2 * pause_s)
     return min(max(CHUNK_MARGIN * float(np.median(durations)), floor), cap)
+
+
+class WindowMax:
+    """The largest value added within the last `window_s` seconds."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._kept: deque[tuple[float, float]] = deque()  # (when, value), values decreasing
+
+    def add(self, value: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        while self._kept and self._kept[-1][1] <= value:
+            self._kept.pop()  # never the largest again: a later value is as large
+        self._kept.append((now, value))
+
+    def max(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._kept and self._kept[0][0] < now - self.window_s:
+            self._kept.popleft()
+        return self._kept[0][1] if self._kept else 0.0
+
+
+def group_chunk_timeout(proposals: Sequence[Any], cap: float) -> float:
+    """The sender timeout a group uses, from what its members proposed (chunk_timeout): the
+    largest but one (of two, the larger), within [`CHUNK_FLOOR_S`, `cap`]. Every member computes
+    it from the same sealed metadata, so all use the same (with each its own, a member that
+    waited its own longer timeout for a late sender was named a staller by one that did not).
+    One member cannot hold a group of three or more longer than the others propose, nor cut it
+    shorter than all but the longest of them; a missing or malformed proposal counts as `cap`."""
+
+    def seconds(p: Any) -> float:
+        ok = isinstance(p, int | float) and not isinstance(p, bool) and _finite(float(p))
+        return float(p) if ok else cap
+
+    values = sorted(seconds(p) for p in proposals) or [cap]
+    chosen = values[-2] if len(values) >= 3 else values[-1]
+    return min(max(chosen, CHUNK_FLOOR_S), cap)
 
 
 def _finite(x: float) -> bool:
@@ -511,14 +562,14 @@ class GuardedAverager(DecentralizedAverager):
         inputs: list[torch.Tensor],
         traffic: Traffic,
         discard: Any,
-        pause_s: Any,
+        timing: Any,
         *args: Any,
         window_s: float = 60.0,
         attack: str = "",
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._traffic, self._discard, self._pause_s = traffic, discard, pause_s
+        self._traffic, self._discard, self._timing = traffic, discard, timing
         self._window_s, self._attack = window_s, attack
         self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
         self._sealed = b""  # what this member sent its group this round
@@ -529,7 +580,6 @@ class GuardedAverager(DecentralizedAverager):
         self._rounds = 0  # rounds this member began
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._chunk_cap = float(kwargs.get("next_chunk_timeout") or CHUNK_FLOOR_S)
-        self._completed_s: deque[float] = deque(maxlen=CHUNK_ROUNDS)  # all-reduces that ended
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -699,8 +749,6 @@ class GuardedAverager(DecentralizedAverager):
         self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
         self._rounds += 1
         self._leaders.clear()
-        sender_s = chunk_timeout(self._completed_s, self._chunk_cap, self._pause_s.value)
-        self.allreduce_kwargs.update(sender_timeout=sender_s, reducer_timeout=2 * sender_s)
         self._round_at = step.scheduled_time
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
@@ -816,7 +864,7 @@ class GuardedAverager(DecentralizedAverager):
                 # take part for the others; apply nothing (module docstring)
                 self._discard.value = self._discard.value or BANNED
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-            self._completed_s.append(time.perf_counter() - began)
+            self._timing[1] = time.perf_counter() - began
             return gathered
         finally:
             started = self._running_groups.get(group_info.group_id)
@@ -828,14 +876,16 @@ class GuardedAverager(DecentralizedAverager):
             tensor.copy_(original)  # every attempt of a round starts from the round's input
         held, probes = tensors
         tensors, kwargs["tensor_infos"] = round_layout(held, probes, kwargs["peer_fractions"])
+        proposed = [user.get("chunk_s") for user in self._users(group_info)]
+        sender_s = group_chunk_timeout(proposed, self._chunk_cap)
+        kwargs.update(sender_timeout=sender_s, reducer_timeout=2 * sender_s)
+        self._timing[0] = sender_s
         group_id = group_info.group_id if group_id is None else group_id
         runner_type: type[ExactAverageRunner] = ExactAverageRunner
         extra: dict[str, Any]
         if self._defence is not None:
             runner_type = AuditedRunner if self._defence.audit else RobustRunner
             extra = self._robust_arguments(group_info, self._defence)
-            if self._defence.audit:
-                extra["longest_sender_s"] = self._chunk_cap
             extra["on_stall"] = self._stall
             if self._attack == "lying_auditor":  # bench attack only
                 extra["slander"] = SLANDER

@@ -128,10 +128,6 @@ different periods still meet (at every slot of the longer)."""
 SLOT_MARGIN_S = 0.25
 """A round that could look for its group only this long before its slot takes the next slot."""
 MAX_PERIOD_S = 3600.0
-PAUSE_MEMORY_S = 300.0
-"""How long the trainer's longest pause between two steps (an evaluation, a checkpoint) is
-remembered, fading: the averager lets a group member start its all-reduce twice that late
-(averaging.chunk_timeout)."""
 OWN_SHARE = 0.5
 """While an overlapped round runs, a member trains on from this share of its own contribution
 (rounds.py). Simulated (4 workers, a round every 10 steps landing 9 steps later), validation
@@ -204,7 +200,7 @@ class PeerRuntime:
         """The slot (unix seconds) the last round started at."""
         self._step_s = 0.0
         self._last_step_at = 0.0
-        self._longest_pause_s = 0.0  # between two steps, fading over PAUSE_MEMORY_S
+        self._trainer_since = 0.0  # when the trainer last got the thread back from this peer
         self._round_started = 0.0
         self.last_round_s = 0.0
         self.last_round_bytes = 0.0
@@ -632,10 +628,10 @@ class PeerRuntime:
         if self._last_step_at:  # wall time per step, evaluation and rounds included
             dt = now - self._last_step_at
             self._step_s = dt if not self._step_s else 0.8 * self._step_s + 0.2 * dt
-            fade = math.exp(-dt / PAUSE_MEMORY_S)
-            self._longest_pause_s = max(dt, self._longest_pause_s * fade)
-            if self.averager is not None:
-                self.averager.note_pause(self._longest_pause_s)
+        if self._trainer_since and self.averager is not None:
+            # the trainer's own time since (a step, an evaluation, a checkpoint): how late this
+            # peer may start a round's all-reduce after its slot (rounds waited for not counted)
+            self.averager.note_pause(now - self._trainer_since)
         self._last_step_at = now
         self.train_state = state
         self.steps_since_round += 1
@@ -661,6 +657,7 @@ class PeerRuntime:
         self._note_rejections(record)
         record["round"] = self.round
         record["sync_every"] = self.sync_every
+        self._trainer_since = time.perf_counter()
 
     def _may_start_round(self) -> bool:
         if self.averager is None or self.averager.running or self._resync is not None:
@@ -811,13 +808,15 @@ class PeerRuntime:
         try:
             result = av.result()
         except RoundFailed as e:
-            record["failed_round_s"] = time.perf_counter() - self._round_started
-            self._lose_round(str(e))
+            self._lose_round(str(e), record)
             return
+        finally:
+            record["part_timeout_s"] = av.part_timeout_s  # the group's (averaging.py)
         self._apply(result, record)
 
-    def _lose_round(self, why: str) -> None:
+    def _lose_round(self, why: str, record: dict[str, Any]) -> None:
         """Nothing applied: the progress stays in the model and goes with the next round."""
+        record["failed_round_s"] = time.perf_counter() - self._round_started
         self.failed_rounds += 1
         self.outcomes.append(False)
         self._shift(0.0)
@@ -838,7 +837,7 @@ class PeerRuntime:
             # one (churn: a joiner at round 20 while the rest sat at 11, to the end of the run).
             # Not a round: the progress goes with the next. (Undefended rounds leave such
             # updates out too, exact.py: the same holds there.)
-            self._lose_round("no other member in sync")
+            self._lose_round("no other member in sync", record)
             return
         params = self.runner.host_parameters()
         with self.lock, self.averager.averaged() as pairs:
