@@ -6,11 +6,10 @@ Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start 
 rounds together (file barriers) and save what each round gave them to WORKDIR/out{INDEX}.pt. With
 `inflate`, peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and
 claims a million times the others' tokens and a thousand times their update size. With `stall`,
-peer 2 averages honestly for `HONEST_BEFORE_STALL` rounds (so that the group's part timeouts
-follow them), then freezes its averager process (SIGSTOP) as soon as its group is found, every
-round, for longer than the honest peers' round lasts. With `late`, peer 2 is honest but slow:
-its averager's process freezes as its group is found for longer than the sender timeout, not
-the reducer's, every round. With `forge_gather`, peer 2 trains honestly, starts each round
+peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
+longer than the round's timeout. With `late`, peer 2 is honest but slow: its averager's process
+freezes as its group is found for longer than the sender timeout, not the reducer's, every round.
+With `forge_gather`, peer 2 trains honestly, starts each round
 first (so it leads) and sends its followers another member's metadata rewritten. With
 `lying_reducer` (or `lying_reducer_far`: 20 typical updates, past what members accept), peer 2
 sends honestly and moves the average of the span it reduces. With `forging_reducer`, peer 2
@@ -67,11 +66,7 @@ def barrier(work: Path, name: str, index: int) -> None:
 
 TIMEOUT_S = 8.0
 """The averagers' round timeout; hivemind's sender timeout is a third of it, the reducer's two
-thirds (until rounds landed: averaging.chunk_timeout). `late` and `stall` run with twice as
-long: late, so that its margins hold on a loaded machine; stall, so that the part timeouts its
-landed rounds give (the floor, 2 s) stand apart from the configured (16 s / 3)."""
-HONEST_BEFORE_STALL = 3
-"""Rounds `stall` averages honestly first: as many as a member's part timeouts wait for."""
+thirds. `late` runs with twice as long, so that its margins hold on a loaded machine."""
 SLOW_START_S = 7.0
 """How late `late` starts its all-reduce: 1.7 s past its sender timeout (16 s / 3), 3.7 s short
 of its reducer timeout (twice that)."""
@@ -156,7 +151,7 @@ def main() -> None:
         cut_pieces({"w": NUMEL}),
         "none",
         2.0,
-        2 * TIMEOUT_S if attack in ("late", "stall") else TIMEOUT_S,
+        2 * TIMEOUT_S if attack == "late" else TIMEOUT_S,
         8,
         lambda: ({}, []),
         gate,
@@ -169,9 +164,7 @@ def main() -> None:
         weight = claimed_tokens(attack, weight)
         rms_claim = 1e3 * float(delta.pow(2).mean().sqrt()) if attack == "inflate" else 0.0
     rounds, rejected, stalled = [], [], []
-    # late: named in its first, or never; stall: one stalled round and one after it
-    count = {"late": 2, "stall": HONEST_BEFORE_STALL + 2}.get(attack, ROUNDS)
-    for r in range(count):
+    for r in range(2 if attack == "late" else ROUNDS):  # late: named in its first, or never
         # the proof lives 30 s in the DHT (auth.PROOF_TTL_S); a peer re-stores it every 10 s: so
         # does each process here, before each round (a round after 30 s found no certificate)
         declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
@@ -180,7 +173,7 @@ def main() -> None:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
-        if index == 2 and (attack == "late" or (attack == "stall" and r >= HONEST_BEFORE_STALL)):
+        if index == 2 and attack in ("stall", "late"):
             if stalled_round(avg, delta, 10.0 if attack == "stall" else SLOW_START_S):
                 (work / f"froze{r}").touch()  # in a group: the round it was meant to slow
             continue
@@ -190,7 +183,6 @@ def main() -> None:
             )
         except RoundFailed as e:
             rounds.append({"failed": True, "why": str(e)})
-        rounds[-1]["part_timeout_s"] = avg.part_timeout_s
         rejected += avg.rejections()
         stalled += getattr(avg, "stalls", list)()
     if index < 2:

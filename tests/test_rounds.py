@@ -50,6 +50,7 @@ class Driver:
         self.gen = torch.Generator().manual_seed(seed)
         self.peer.start(None, self.state)
         self.after_step_s: list[float] = []
+        self.records: list[dict] = []
 
     def step(self) -> dict:
         x = torch.randint(0, 256, (4, 16), generator=self.gen)
@@ -59,6 +60,7 @@ class Driver:
         t0 = time.perf_counter()
         self.peer.after_step(self.state, record)
         self.after_step_s.append(time.perf_counter() - t0)
+        self.records.append(record)
         return record
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -132,6 +134,9 @@ def test_a_round_without_a_group_changes_nothing_and_local_steps_never_wait(tmp_
         assert any(not torch.equal(before[n], after[n]) for n in before)  # training went on
         # while the round searched for seconds, no step waited for it
         assert max(lone.after_step_s) < 1.0, max(lone.after_step_s)
+        # the step that found it failed says for how long it ran (bench attack's failed_round_s)
+        lost = [r["failed_round_s"] for r in lone.records if "failed_round_s" in r]
+        assert len(lost) == 1 and 5.0 <= lost[0] < 30, lost
     finally:
         lone.close()
 

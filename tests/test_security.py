@@ -29,14 +29,10 @@ from atomtrain.peer.auth import (
     write_new_key,
 )
 from atomtrain.peer.averaging import (
-    CHUNK_FLOOR_S,
     FORGIVE_ROUNDS,
     GuardedAverager,
     ProbedAverager,
-    WindowMax,
-    chunk_timeout,
     exclusion_rounds,
-    group_chunk_timeout,
     stalls_remembered,
 )
 from atomtrain.peer.layout import cut_pieces
@@ -44,7 +40,7 @@ from atomtrain.peer.protocol import averaging_prefix, protocol_tag
 from atomtrain.peer.robust import Defence, equal_weights
 from atomtrain.peer.traffic import Traffic
 
-from .peer_attack_harness import HONEST_BEFORE_STALL, TIMEOUT_S, honest_mean
+from .peer_attack_harness import honest_mean
 
 HERE = Path(__file__).parent
 NUMEL = 4000
@@ -374,63 +370,18 @@ def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
     assert len(events) == 13 and all(e[2] == "stall" for e in events)
 
 
-def test_a_groups_part_timeouts_follow_what_its_landed_rounds_took():
-    """A silent member holds its group's round for the reducer timeout, twice the sender
-    timeout. Each member proposes one from the all-reduces it landed (4x their median), within a
-    floor (twice its trainer's longest recent pause, when longer) and the configured timeout's
-    third; the group takes the largest proposal but one, so no single member sets it."""
-    cap = 5.0  # a 15 s round timeout (bench attack)
-    assert chunk_timeout([], cap) == chunk_timeout([0.3, 0.3], cap) == cap  # too few to judge
-    assert chunk_timeout([0.3, 0.2, 0.4], cap) == CHUNK_FLOOR_S  # sub-second rounds: the floor
-    assert chunk_timeout([0.9, 1.0, 1.1], cap) == pytest.approx(4.0)
-    assert chunk_timeout([40.0] * 8, cap) == cap  # a slow link: the configured timeout
-    # one long round (a loaded machine) among short ones moves the median not at all
-    assert chunk_timeout([0.3] * 4 + [30.0], cap) == CHUNK_FLOOR_S
-    # a trainer that paused 1.5 s between steps (an evaluation) may start its all-reduce that
-    # late: its parts must still count
-    assert chunk_timeout([0.3] * 4, cap, pause_s=1.5) == pytest.approx(3.0)
-    assert chunk_timeout([0.3] * 4, cap, pause_s=60.0) == cap
-
-    # the group's: a pair takes the longer; three or more, the largest but one, so a member that
-    # proposes the configured timeout (to stall at leisure) or none at all sets nothing alone
-    assert group_chunk_timeout([2.0, 3.0], cap) == 3.0
-    assert group_chunk_timeout([2.0, 2.5, cap], cap) == 2.5
-    assert group_chunk_timeout([2.0, 2.5, None], cap) == 2.5  # missing: counted as the cap
-    assert group_chunk_timeout([2.5, 3.0, 0.0], cap) == 2.5  # one cutting it short: the same
-    assert group_chunk_timeout([2.5, 3.0, 3.5, 1e-9], cap) == 3.0
-    for garbage in ("1", float("nan"), float("inf"), -1.0, True, [1.0]):
-        assert CHUNK_FLOOR_S <= group_chunk_timeout([garbage, 2.0, 2.0], cap) <= cap
-    assert group_chunk_timeout([], cap) == cap
-
-    # a trainer's pauses count for a while, then no longer
-    pauses = WindowMax(600.0)
-    for t, pause in [(0.0, 0.1), (1.0, 4.0), (2.0, 0.1), (3.0, 0.2)]:
-        pauses.add(pause, now=t)
-    assert pauses.max(now=3.0) == 4.0 and pauses.max(now=601.5) == 0.2
-    assert pauses.max(now=700.0) == 0.0
-
-
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):
-    """Peer 2 averages honestly for three rounds, then joins each round's group it gets into and
-    goes silent (its averager frozen). Its all-reduce is lost (its span is never averaged), and
-    it held the others for the part timeouts their landed rounds gave, not the configured ones:
-    early enough that the round's retry may still land without it. Both honest peers name it
-    from the all-reduce's timeouts and leave it out, so the next round lands between them."""
+    """Peer 2 joins each round's group it gets into and then goes silent (its averager frozen).
+    The round it stalls is lost (its span is never averaged); both honest peers name it from the
+    all-reduce's timeouts and leave it out, so every later round lands between them."""
     outs = run_round(tmp_path, "stall", defend=True)
     logs = [(tmp_path / "stall-defended" / f"log{i}.txt").read_text() for i in range(3)]
     ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
-    configured = 2 * TIMEOUT_S / 3  # the harness's stall runs with twice TIMEOUT_S
     for out in outs.values():
-        rounds = out["rounds"]
-        honest, stalled, last = rounds[:HONEST_BEFORE_STALL], rounds[-2], rounds[-1]
-        assert all(not r["failed"] and r["group"] == 3 for r in honest), (rounds, ids)
-        # a stall costs at most that round: it fails, or its retry (time left in it, now that
-        # the stall ended within the part timeouts) lands between the honest peers
-        if not stalled["failed"]:
-            assert stalled["group"] == 2, (rounds, ids)
-            assert torch.allclose(stalled["delta"], honest_mean(), atol=1e-6)
-        assert stalled["part_timeout_s"] == CHUNK_FLOOR_S < configured, rounds
-        assert not last["failed"] and last["group"] == 2, (rounds, ids)
+        failed = [r["failed"] for r in out["rounds"]]
+        assert sum(failed) <= 1, (out["rounds"], ids)  # a stall costs at most one round
+        last = out["rounds"][-1]
+        assert not last["failed"] and last["group"] == 2, (out["rounds"], ids)
         assert torch.allclose(last["delta"], honest_mean(), atol=1e-6)
         assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
         assert not out["rejected"]  # left out for a while, not banned for good

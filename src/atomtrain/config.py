@@ -163,11 +163,7 @@ class PeerSection:
     Measured in 0.45-core quotas (2 peers, 10 Mbit/s, int8), 5 did not make rounds land sooner
     (median 1.08 s against 1.05 s without), so it is off by default."""
     averaging_timeout_s: float = 30.0
-    """Longest a round may take before it counts as failed (its progress goes with the next).
-    A third of it is the longest a member may go without sending its next part (a reducer: two
-    thirds); once three rounds completed, the averager shortens these to 4x what its completed
-    rounds took, at least 2 s and twice the trainer's longest recent pause, so that a member that
-    goes silent mid-round holds the others' round for seconds, not most of this."""
+    """Longest a round may take before it counts as failed (its progress goes with the next)."""
     state_timeout_s: float = 60.0
     """Longest a joiner waits for one download of the swarm's state (slow links need more)."""
     target_group_size: int = 64

@@ -54,8 +54,6 @@ import queue
 import random
 import signal
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -124,16 +122,6 @@ FORGIVE_ROUNDS = 32
 member's last exclusion, forgive it one stall: an honest peer whose link failed now and then
 over a long run is not left out for ever longer, while one that stalls whenever it is let back
 in is left out ever longer."""
-CHUNK_FLOOR_S = 2.0
-"""The shortest sender timeout a round gets (seconds a member may go without sending its next
-part; a reducer gets twice as long for its next average)."""
-CHUNK_MARGIN = 4.0
-"""A round's sender timeout is this many times the median of the last all-reduces that completed
-(`chunk_timeout`)."""
-CHUNK_ROUNDS = 8
-"""The landed all-reduces that median is taken over."""
-PAUSE_WINDOW_S = 600.0
-"""How long a pause of the trainer between two steps counts for `chunk_timeout`."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
@@ -207,12 +195,6 @@ class ProbedAverager:
         self.kinds = [DELTA, PROBE]  # by the round layout's compression keys
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
-        # written by hivemind's process: the sender timeout of the last all-reduce this member
-        # ran, and the seconds the last one that completed took
-        self._timing: Any = mp.get_context("fork").Array("d", 2, lock=False)
-        self._landed_s: deque[float] = deque(maxlen=CHUNK_ROUNDS)  # all-reduces of landed rounds
-        self._pauses = WindowMax(PAUSE_WINDOW_S)
-        self._chunk_cap = max(timeout_s / 3, CHUNK_FLOOR_S)
         self._stalls: list[tuple[str, str]] = []
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata (events)
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
@@ -228,7 +210,6 @@ class ProbedAverager:
             inputs,
             self.traffic,
             self._discard,
-            self._timing,
             tensors,
             dht,
             # a member's round is scheduled at most this far from its group's (retries keep it)
@@ -241,7 +222,7 @@ class ProbedAverager:
             min_matchmaking_time=matchmaking_s,
             request_timeout=1.0,
             allreduce_timeout=timeout_s,
-            next_chunk_timeout=self._chunk_cap,
+            next_chunk_timeout=max(timeout_s / 3, 2.0),
             compression=PerTensorCompression([wire, NoCompression()]),
             state_compression=NoCompression(),
             allow_state_sharing=True,
@@ -254,16 +235,6 @@ class ProbedAverager:
         self._probe = 0.0
         self._control: Any = None
         self._triggered = False
-
-    @property
-    def part_timeout_s(self) -> float:
-        """The sender timeout the last all-reduce this member ran used (its group's,
-        group_chunk_timeout); a reducer's was twice that. 0 before any."""
-        return float(self._timing[0])
-
-    def note_pause(self, seconds: float) -> None:
-        """The trainer went `seconds` between two steps (chunk_timeout takes the longest)."""
-        self._pauses.add(seconds)
 
     def held_bytes(self) -> int:
         """Host bytes this averager holds for the round (averaged tensors and own copy)."""
@@ -315,7 +286,6 @@ class ProbedAverager:
         self._discard.value = 0
         self._probe_in.fill_(self._probe)
         gather = {**info, "probe": self._probe, "weight": weight}
-        gather["chunk_s"] = chunk_timeout(self._landed_s, self._chunk_cap, self._pauses.max())
         if self.defence is not None:  # every reducer and auditor of the group uses its median
             gather["min_scale"] = self.defence.min_scale
         return self.averager.step(
@@ -400,7 +370,6 @@ class ProbedAverager:
                 f"partial round: {len(bad)} of {len(seen)} probes unaveraged "
                 f"(a group member left mid-round or sent bad averages); discarded"
             )
-        self._landed_s.append(self._timing[1])  # every check passed: it landed
         return RoundResult(
             len(peers),
             peers,
@@ -483,62 +452,6 @@ def stalls_remembered(stalls: int, rounds_since: int) -> int:
     return max(stalls - max(rounds_since, 0) // FORGIVE_ROUNDS, 0)
 
 
-def chunk_timeout(durations: Sequence[float], cap: float, pause_s: float = 0.0) -> float:
-    """The sender timeout this member proposes to its next group: `CHUNK_MARGIN` times the
-    median of its last all-reduces that landed (each from this member's start of it to its end:
-    every gap between two parts in it was shorter), within [`CHUNK_FLOOR_S` or twice `pause_s`
-    if longer, `cap`], where `cap` is the configured timeout's (a third of the round's). Until
-    three have landed, `cap`. `pause_s`: the longest this member's trainer lately went between
-    two steps (an evaluation, a checkpoint): a member starts its all-reduce when its trainer
-    reaches the round's slot, so it may start that much later than the others.
-
-    A member that joins a group and goes silent holds the others' round for the reducer timeout,
-    twice the sender timeout: with the configured one alone, 10 s of a 15 s round timeout where
-    rounds landed in well under a second (bench attack), several rounds' worth of wall time per
-    stall. A slow link makes the landed all-reduces long, and the timeout with them."""
-    if len(durations) < 3:
-        return cap
-    floor = max(CHUNK_FLOOR_S, 2 * pause_s)
-    return min(max(CHUNK_MARGIN * float(np.median(durations)), floor), cap)
-
-
-class WindowMax:
-    """The largest value added within the last `window_s` seconds."""
-
-    def __init__(self, window_s: float) -> None:
-        self.window_s = window_s
-        self._kept: deque[tuple[float, float]] = deque()  # (when, value), values decreasing
-
-    def add(self, value: float, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        while self._kept and self._kept[-1][1] <= value:
-            self._kept.pop()  # never the largest again: a later value is as large
-        self._kept.append((now, value))
-
-    def max(self, now: float | None = None) -> float:
-        now = time.monotonic() if now is None else now
-        while self._kept and self._kept[0][0] < now - self.window_s:
-            self._kept.popleft()
-        return self._kept[0][1] if self._kept else 0.0
-
-
-def group_chunk_timeout(proposals: Sequence[Any], cap: float) -> float:
-    """The sender timeout a group uses, from what its members proposed (chunk_timeout): the
-    largest but one (of two, the larger), within [`CHUNK_FLOOR_S`, `cap`]. Every member computes
-    it from the same sealed metadata, so all use the same (with each its own, a member that
-    waited its own longer timeout for a late sender was named a staller by one that did not).
-    One member cannot hold a group of three or more longer than the others propose, nor cut it
-    shorter than all but the longest of them; a missing or malformed proposal counts as `cap`."""
-
-    def seconds(p: Any) -> float:
-        ok = isinstance(p, int | float) and not isinstance(p, bool) and _finite(float(p))
-        return float(p) if ok else cap
-
-    values = sorted(seconds(p) for p in proposals) or [cap]
-    chosen = values[-2] if len(values) >= 3 else values[-1]
-    return min(max(chosen, CHUNK_FLOOR_S), cap)
-
-
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -562,14 +475,13 @@ class GuardedAverager(DecentralizedAverager):
         inputs: list[torch.Tensor],
         traffic: Traffic,
         discard: Any,
-        timing: Any,
         *args: Any,
         window_s: float = 60.0,
         attack: str = "",
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._traffic, self._discard, self._timing = traffic, discard, timing
+        self._traffic, self._discard = traffic, discard
         self._window_s, self._attack = window_s, attack
         self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
         self._sealed = b""  # what this member sent its group this round
@@ -579,7 +491,6 @@ class GuardedAverager(DecentralizedAverager):
         self._stalls: dict[PeerID, tuple[int, int]] = {}  # peer -> (stalls, at round)
         self._rounds = 0  # rounds this member began
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
-        self._chunk_cap = float(kwargs.get("next_chunk_timeout") or CHUNK_FLOOR_S)
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -855,7 +766,6 @@ class GuardedAverager(DecentralizedAverager):
     # --- robust all-reduce ------------------------------------------------------------------
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
-        began = time.perf_counter()
         try:
             group_info = await self._checked(group_info)
             if not self._audited and any(
@@ -863,9 +773,7 @@ class GuardedAverager(DecentralizedAverager):
             ):
                 # take part for the others; apply nothing (module docstring)
                 self._discard.value = self._discard.value or BANNED
-            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-            self._timing[1] = time.perf_counter() - began
-            return gathered
+            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
             started = self._running_groups.get(group_info.group_id)
             if started is not None and not started.done():
@@ -876,10 +784,6 @@ class GuardedAverager(DecentralizedAverager):
             tensor.copy_(original)  # every attempt of a round starts from the round's input
         held, probes = tensors
         tensors, kwargs["tensor_infos"] = round_layout(held, probes, kwargs["peer_fractions"])
-        proposed = [user.get("chunk_s") for user in self._users(group_info)]
-        sender_s = group_chunk_timeout(proposed, self._chunk_cap)
-        kwargs.update(sender_timeout=sender_s, reducer_timeout=2 * sender_s)
-        self._timing[0] = sender_s
         group_id = group_info.group_id if group_id is None else group_id
         runner_type: type[ExactAverageRunner] = ExactAverageRunner
         extra: dict[str, Any]

@@ -200,7 +200,6 @@ class PeerRuntime:
         """The slot (unix seconds) the last round started at."""
         self._step_s = 0.0
         self._last_step_at = 0.0
-        self._trainer_since = 0.0  # when the trainer last got the thread back from this peer
         self._round_started = 0.0
         self.last_round_s = 0.0
         self.last_round_bytes = 0.0
@@ -628,10 +627,6 @@ class PeerRuntime:
         if self._last_step_at:  # wall time per step, evaluation and rounds included
             dt = now - self._last_step_at
             self._step_s = dt if not self._step_s else 0.8 * self._step_s + 0.2 * dt
-        if self._trainer_since and self.averager is not None:
-            # the trainer's own time since (a step, an evaluation, a checkpoint): how late this
-            # peer may start a round's all-reduce after its slot (rounds waited for not counted)
-            self.averager.note_pause(now - self._trainer_since)
         self._last_step_at = now
         self.train_state = state
         self.steps_since_round += 1
@@ -657,7 +652,6 @@ class PeerRuntime:
         self._note_rejections(record)
         record["round"] = self.round
         record["sync_every"] = self.sync_every
-        self._trainer_since = time.perf_counter()
 
     def _may_start_round(self) -> bool:
         if self.averager is None or self.averager.running or self._resync is not None:
@@ -810,8 +804,6 @@ class PeerRuntime:
         except RoundFailed as e:
             self._lose_round(str(e), record)
             return
-        finally:
-            record["part_timeout_s"] = av.part_timeout_s  # the group's (averaging.py)
         self._apply(result, record)
 
     def _lose_round(self, why: str, record: dict[str, Any]) -> None:
