@@ -440,8 +440,7 @@ def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():
         avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
         avg._defence = None
         avg._running_groups = {b"g": asyncio.Future()}
-        avg._pending_groups_registered = asyncio.Event()
-        avg._pending_groups_registered.set()
+        avg._assembled = set()
 
         async def part(weight: float, group: bytes):
             yield averaging_pb2.AveragingData(group_id=group, weight=weight)
@@ -781,3 +780,64 @@ def test_the_sync_reference_is_the_member_most_others_agree_with():
     assert in_sync_flags([base, far], [0.5, 0.5], [4, 3]) == [True, False]
     # a stale member that claims a huge update does not widen the tolerance to pass
     assert in_sync_flags([base, near, far], [0.5, 0.5, 1e3], [3, 3, 3]) == [True, True, False]
+
+
+def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
+    """A leader formed its group as a follower's matchmaking ran out (a retry's group is formed
+    at the round's deadline): the follower never runs it. Asked for its span's averages, it must
+    say so at once; hivemind's handler waited for its next group, the leader waited its reducer
+    timeout and named an honest member a staller (seen in CI in the slander test). A member still
+    looking for its group, or holding one that awaits its trigger, may be in it: it waits."""
+
+    class Runner:
+        async def rpc_aggregate_part(self, stream, context):
+            async for part in stream:
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.AVERAGED_PART, weight=part.weight
+                )
+
+    class Gate:
+        async def allows(self, dht, peer_id):
+            return True
+
+    async def scenario() -> dict[str, list[int]]:
+        avg = GuardedAverager.__new__(GuardedAverager)
+        avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
+        avg._defence = None
+        avg._running_groups, avg._assembled = {}, set()
+        avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
+
+        async def served(group: bytes) -> list[int]:
+            async def part():
+                yield averaging_pb2.AveragingData(group_id=group, weight=1.0)
+
+            sender = SimpleNamespace(remote_id="member")
+            return [m.code async for m in avg.rpc_aggregate_part(part(), sender)]
+
+        def run(group: bytes) -> None:
+            avg._running_groups[group] = asyncio.Future()
+            avg._running_groups[group].set_result(Runner())
+
+        codes = {"idle": await asyncio.wait_for(served(b"a"), 5)}
+        avg._matchmaking.is_looking_for_group = True
+        joins, leaves = asyncio.create_task(served(b"b")), asyncio.create_task(served(b"c"))
+        await asyncio.sleep(0.3)
+        assert not joins.done() and not leaves.done()  # its leader's word may still come
+        run(b"b")  # it came: the group runs
+        codes["joined"] = await asyncio.wait_for(joins, 5)
+        avg._matchmaking.is_looking_for_group = False  # its matchmaking ended without b"c"
+        codes["missed"] = await asyncio.wait_for(leaves, 5)
+        avg._assembled.add(b"d")  # found, awaiting its trigger
+        triggered = asyncio.create_task(served(b"d"))
+        await asyncio.sleep(0.3)
+        assert not triggered.done()
+        run(b"d")
+        codes["triggered"] = await asyncio.wait_for(triggered, 5)
+        return codes
+
+    assert asyncio.run(scenario()) == {
+        "idle": [averaging_pb2.BAD_GROUP_ID],
+        "joined": [averaging_pb2.AVERAGED_PART],
+        "missed": [averaging_pb2.BAD_GROUP_ID],
+        "triggered": [averaging_pb2.AVERAGED_PART],
+    }

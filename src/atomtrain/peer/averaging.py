@@ -486,6 +486,7 @@ class GuardedAverager(DecentralizedAverager):
         self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
         self._sealed = b""  # what this member sent its group this round
         self._leaders: dict[bytes, PeerID] = {}  # group ID -> the leader that formed it
+        self._assembled: set[bytes] = set()  # groups this step joined (a trigger may await them)
         self._trusted = True  # the round's metadata is its members' (robust bans count)
         self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
         self._stalls: dict[PeerID, tuple[int, int]] = {}  # peer -> (stalls, at round)
@@ -585,12 +586,21 @@ class GuardedAverager(DecentralizedAverager):
         future itself, and a sender that gives up its request (a member whose round failed, or
         one that hangs up on purpose) cancelled the task and with it that future. This member
         then could not start its all-reduce at all, and the honest members it left waiting
-        excluded it as a staller. False: it will not run it."""
-        if group_id not in self._running_groups:
-            await self._pending_groups_registered.wait()  # as hivemind's handler does
-        started = self._running_groups.get(group_id)
-        if started is None:
-            return True  # an unknown group: hivemind's handler answers that
+        excluded it as a staller. False: it will not run it.
+
+        A group this member is not in, and can no longer join (it is not looking for a group
+        and did not assemble this one), is refused at once. hivemind's handler waits until this
+        member registers its next group, or forever: a leader that formed its group as this
+        member's matchmaking ran out of time (a retry's group is formed at the round's deadline,
+        where the follower stops waiting for it) held the round for the reducer timeout and
+        named this member a staller."""
+        while group_id not in self._running_groups:
+            matchmaking = getattr(self, "_matchmaking", None)
+            looking = matchmaking is not None and matchmaking.is_looking_for_group
+            if group_id not in self._assembled and not looking:
+                return False  # (a member still looking may be in it: its leader's word is late)
+            await asyncio.sleep(0.05)
+        started = self._running_groups[group_id]
         try:
             await asyncio.shield(started)
         except asyncio.CancelledError:
@@ -660,6 +670,7 @@ class GuardedAverager(DecentralizedAverager):
         self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
         self._rounds += 1
         self._leaders.clear()
+        self._assembled.clear()
         self._round_at = step.scheduled_time
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
@@ -670,7 +681,10 @@ class GuardedAverager(DecentralizedAverager):
                 step.data_for_gather,
             )
         self._sealed = step.data_for_gather
-        return await super()._step(step=step, future_for_init=future_for_init)
+        try:
+            return await super()._step(step=step, future_for_init=future_for_init)
+        finally:
+            self._assembled.clear()  # its groups ran, or never will
 
     def _guard_leaders(self) -> None:
         """hivemind picks leaders from the DHT with no hook to refuse one: wrap the request so a
@@ -680,6 +694,7 @@ class GuardedAverager(DecentralizedAverager):
             return
         ask = matchmaking._request_join_group
         assemble = matchmaking.follower_assemble_group
+        lead = matchmaking.leader_assemble_group
 
         async def guarded(leader: PeerID):
             if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
@@ -689,10 +704,17 @@ class GuardedAverager(DecentralizedAverager):
         async def followed(leader: PeerID, message: Any):
             group_info = await assemble(leader, message)
             self._leaders[group_info.group_id] = leader  # whom to blame for forged metadata
+            self._assembled.add(group_info.group_id)
+            return group_info
+
+        async def led():
+            group_info = await lead()
+            self._assembled.add(group_info.group_id)
             return group_info
 
         matchmaking._request_join_group = guarded
         matchmaking.follower_assemble_group = followed
+        matchmaking.leader_assemble_group = led
         matchmaking._atom_guarded = True
 
     # --- signed metadata (gather.py) --------------------------------------------------------
@@ -775,6 +797,7 @@ class GuardedAverager(DecentralizedAverager):
                 self._discard.value = self._discard.value or BANNED
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
+            self._assembled.discard(group_info.group_id)  # ran: a late request is refused
             started = self._running_groups.get(group_info.group_id)
             if started is not None and not started.done():
                 started.cancel()  # this member will not run it: parts waiting for it end now

@@ -16,7 +16,10 @@ tensors. A reducer that fails leaves the member's own part in its span, which th
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
 its parts before this member's all-reduce ended (hivemind leaves its parts out after its sender
 timeout), or a reducer that sent no averages within the reducer timeout. (A member that crashed
-looks the same; the averager excludes either for a while.)
+looks the same; the averager excludes either for a while.) A member that answers it is not in
+the group is not named: an honest one that missed its leader's word (averaging.py,
+_group_started) says so, and a member that refuses its span this way spoils the round as it could
+by sending its parts and refusing only its span, which never names anyone either.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 import torch
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.partition import BannedException
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import averaging_pb2
@@ -36,6 +40,9 @@ from atomtrain.peer.traffic import CountedRunner
 NO_WEIGHT = 1e-30
 """What a part that weighs nothing adds to a reducer's denominator: far below any sender's weight
 (hivemind's floor is 1e-6), so no average's bits change, yet never 0/0."""
+
+NOT_IN_GROUP = f" sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}"
+"""How hivemind's error ends when a reducer answers that it is not in the group."""
 
 
 class ExactAverageRunner(CountedRunner):
@@ -65,6 +72,7 @@ class ExactAverageRunner(CountedRunner):
             for p in self.sender_peer_ids
         ]
         self._delivered: set[Any] = set()  # reducers that sent this member any average
+        self._not_in_group: set[Any] = set()  # members that answered they are not in it
         register = self.tensor_part_container.register_processed_part
 
         def registered(peer_index: int, part_index: int, part: Any) -> None:
@@ -91,7 +99,9 @@ class ExactAverageRunner(CountedRunner):
         if not self._future.done():
             for peer_id in self.sender_peer_ids:
                 if peer_id in self.banned_senders and not (
-                    peer_id in self.active_senders or peer_id in self._delivered
+                    peer_id in self.active_senders
+                    or peer_id in self._delivered
+                    or peer_id in self._not_in_group
                 ):  # (its averages may beat its own parts here: it ran the round)
                     self._stalled(peer_id, "sent none of its parts")
         super().finalize(**kwargs)
@@ -106,6 +116,10 @@ class ExactAverageRunner(CountedRunner):
                 return await super()._communicate_with_peer(peer_id)
             except asyncio.TimeoutError:
                 self._stalled(peer_id, "sent no averages of its span")
+                raise
+            except AllreduceException as e:
+                if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
+                    self._not_in_group.add(peer_id)
                 raise
         # our own span: the average through the codec the others receive it in
         container = self.tensor_part_container
