@@ -16,7 +16,9 @@ tensors. A reducer that fails leaves the member's own part in its span, which th
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
 its parts before this member's all-reduce ended (hivemind leaves its parts out after its sender
 timeout), or a reducer that sent no averages within the reducer timeout. (A member that crashed
-looks the same; the averager excludes either for a while.) A member that answers it is not in
+looks the same; the averager excludes either for a while.) A reducer is not named for late
+averages in a round where another member sent this one nothing: it may have waited for that
+member's parts, from its own, later start of the round. A member that answers it is not in
 the group is not named: an honest one that missed its leader's word (averaging.py,
 _group_started) says so, and a member that refuses its span this way spoils the round as it could
 by sending its parts and refusing only its span, which never names anyone either.
@@ -106,6 +108,20 @@ class ExactAverageRunner(CountedRunner):
                     self._stalled(peer_id, "sent none of its parts")
         super().finalize(**kwargs)
 
+    def _waiting_for_a_staller(self, reducer: Any) -> bool:
+        """Another member sent this one none of its parts: `reducer` may be waiting out its
+        own sender timeout for that member's parts, counted from its own start of the round (on
+        a loaded machine, seconds after this member's), so its late averages name no one. (The
+        staller is named; a colluder withholding its averages spoils only the round the staller
+        spoiled anyway.)"""
+        return any(
+            p not in (reducer, self.peer_id)
+            and p in self.banned_senders
+            and p not in self.active_senders
+            and p not in self._delivered
+            for p in self.sender_peer_ids
+        )
+
     def _stalled(self, peer_id: Any, why: str) -> None:
         if self._on_stall is not None and peer_id != self.peer_id:
             self._on_stall(peer_id, why)
@@ -115,7 +131,8 @@ class ExactAverageRunner(CountedRunner):
             try:
                 return await super()._communicate_with_peer(peer_id)
             except asyncio.TimeoutError:
-                self._stalled(peer_id, "sent no averages of its span")
+                if not self._waiting_for_a_staller(peer_id):
+                    self._stalled(peer_id, "sent no averages of its span")
                 raise
             except AllreduceException as e:
                 if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
