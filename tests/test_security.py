@@ -417,6 +417,27 @@ def test_a_leader_that_forges_a_members_metadata_loses_its_round_and_is_named(tm
             assert torch.allclose(r["delta"], honest_mean(), atol=1e-6)
 
 
+class AnsweringRunner:
+    """What a group's all-reduce answers a part with."""
+
+    async def rpc_aggregate_part(self, stream, context):
+        async for part in stream:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, weight=part.weight)
+
+
+def handlers_alone() -> GuardedAverager:
+    """An averager's handlers alone, no process, behind a gate that lets everyone in."""
+
+    class Gate:
+        async def allows(self, dht, peer_id):
+            return True
+
+    avg = GuardedAverager.__new__(GuardedAverager)
+    avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
+    avg._defence = None
+    return avg
+
+
 def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():
     """A member's part arrives while this one still checks the group's metadata; the member
     hangs up (its round failed, or on purpose). hivemind's handler awaits the group's start
@@ -424,21 +445,8 @@ def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():
     members it kept waiting excluded it as a staller (seen under load in the poisoned-round
     test). The group must still start, and a part sent after it be served."""
 
-    class Runner:  # what the group's all-reduce answers a part with
-        async def rpc_aggregate_part(self, stream, context):
-            async for part in stream:
-                yield averaging_pb2.AveragingData(
-                    code=averaging_pb2.AVERAGED_PART, weight=part.weight
-                )
-
-    class Gate:
-        async def allows(self, dht, peer_id):
-            return True
-
     async def scenario() -> list[int]:
-        avg = GuardedAverager.__new__(GuardedAverager)  # its handlers alone, no process
-        avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
-        avg._defence = None
+        avg = handlers_alone()
         avg._running_groups = {b"g": asyncio.Future()}
         avg._assembled = set()
 
@@ -454,7 +462,7 @@ def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():
         early.cancel()  # the sender hung up before this member started the group
         with pytest.raises(asyncio.CancelledError):
             await early
-        avg._running_groups[b"g"].set_result(Runner())  # InvalidStateError when cancelled
+        avg._running_groups[b"g"].set_result(AnsweringRunner())  # InvalidStateError when cancelled
         codes = await asyncio.wait_for(served(2.0), 5)
         assert avg._traffic.totals()[1] > 0  # the part read before the wait is counted
         # a group this member will not run (its metadata check failed): a part waiting for it
@@ -789,21 +797,8 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
     timeout and named an honest member a staller (seen in CI in the slander test). A member still
     looking for its group, or holding one that awaits its trigger, may be in it: it waits."""
 
-    class Runner:
-        async def rpc_aggregate_part(self, stream, context):
-            async for part in stream:
-                yield averaging_pb2.AveragingData(
-                    code=averaging_pb2.AVERAGED_PART, weight=part.weight
-                )
-
-    class Gate:
-        async def allows(self, dht, peer_id):
-            return True
-
     async def scenario() -> dict[str, list[int]]:
-        avg = GuardedAverager.__new__(GuardedAverager)
-        avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
-        avg._defence = None
+        avg = handlers_alone()
         avg._running_groups, avg._assembled = {}, set()
         avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
 
@@ -816,7 +811,7 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
 
         def run(group: bytes) -> None:
             avg._running_groups[group] = asyncio.Future()
-            avg._running_groups[group].set_result(Runner())
+            avg._running_groups[group].set_result(AnsweringRunner())
 
         codes = {"idle": await asyncio.wait_for(served(b"a"), 5)}
         avg._matchmaking.is_looking_for_group = True
