@@ -49,7 +49,12 @@ KEY = SwarmKey(bytes(range(32)))
 
 
 def vectors(index: int) -> torch.Tensor:
-    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(index)) * 1e-2
+    """A member's update: one vector with the signs of its elements drawn per member, so that
+    any two members' parts of any span are of the same size and a pair of them averages as it
+    is (of two, a reducer scales the larger part down to the smaller, robust.py)."""
+    base = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)) * 1e-2
+    signs = torch.randint(0, 2, (NUMEL,), generator=torch.Generator().manual_seed(100 + index))
+    return base * (2 * signs - 1)
 
 
 def honest_mean() -> torch.Tensor:

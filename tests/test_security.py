@@ -295,38 +295,45 @@ def test_an_auditor_that_slanders_an_honest_reducer_is_banned_by_it(tmp_path: Pa
     assert any("reports other averages" in why for _, why in blamed), blamed
 
 
-def test_a_reducers_averages_are_checked_as_tightly_as_its_centering_allows():
-    """Three or more members in sync: 4 (typical + own); fewer with the reducer among them (it
-    centers on its own part): 20; fewer without it (a reducer out of sync, which may be the liar):
-    4 again, with the larger report as typical (at most 5 times the smaller). At the 4x bound,
-    for a member whose update is of typical size, an average 7 typical updates away passes and
-    9 does not."""
-    from atomtrain.peer.robust import Defence, reducer_bounds, returned_lie
+def test_a_reducers_averages_are_checked_as_tightly_as_its_rule_allows():
+    """Three or more members in sync: 4 (typical + own), the typical update the upper median of
+    their reports (a member reporting nonsense moves it no further than the others' values). At
+    that bound, for a member whose update is of typical size, an average 7 typical updates away
+    passes and 9 does not. Fewer in sync: no larger than the member's own part (with the codec's
+    slack), whatever anyone reported."""
+    from atomtrain.peer.robust import (
+        PAIR_SLACK,
+        Defence,
+        reducer_bounds,
+        returned_lie,
+        returned_pair_lie,
+    )
 
     d = Defence()  # reduced = 4: the tight check
-    assert reducer_bounds([1.0, 2.0, 3.0, 9.0], True, d) == (reducer_bounds([3.0], False, d)[0], 4)
-    assert reducer_bounds([1.0, 2.0, 3.0], True, d)[0].rms == 2.0
-    assert reducer_bounds([1.0, 5.0], True, d) == (reducer_bounds([1.0], True, d)[0], 20.0)
-    assert reducer_bounds([1.0, 5.0], False, d)[0].rms == 5.0
-    assert reducer_bounds([1.0, 5.0], False, d)[1] == 4.0
-    assert reducer_bounds([], False, Defence(min_scale=0.5))[0].rms == 0.5
-    # a member reporting nonsense does not turn three in sync into the loose case...
-    assert reducer_bounds([1.0, 1.0, float("nan")], True, d)[1] == 4.0
-    assert reducer_bounds([1.0, 1.0, -1.0], True, d)[1] == 4.0
-    # ...nor does a colluder's huge report widen the bound past the loose one
-    assert reducer_bounds([1.0, 1e6], False, d)[0].rms == 5.0
+    assert reducer_bounds([1.0, 2.0, 3.0, 9.0], d).rms == 3.0
+    assert reducer_bounds([1.0, 2.0, 3.0], d).rms == 2.0
+    assert reducer_bounds([], Defence(min_scale=0.5)).rms == 0.5
+    assert reducer_bounds([1.0, 1.0, float("nan")], d).rms == 1.0
+    assert reducer_bounds([1.0, 1.0, 1.0, 1e6], d).rms == 1.0  # one liar moves nothing
     n = 400
     own = torch.randn(n, generator=torch.Generator().manual_seed(5))
     own *= 0.1 / float(own.pow(2).mean().sqrt())  # rms 0.1: a typical update
-    typical, factor = reducer_bounds([0.1, 0.1, 0.1], True, d)
+    typical = reducer_bounds([0.1, 0.1, 0.1], d)
     away = torch.randn(n, generator=torch.Generator().manual_seed(6))
     away *= float(own.norm()) / float(away.norm())  # one typical update's size
-    assert returned_lie("delta", own, own + 7 * away, typical, factor) is None
-    assert "delta averages" in str(returned_lie("delta", own, own + 9 * away, typical, factor))
-    assert returned_lie("probe", own, own + 9 * away, typical, factor) is None  # the probe check
+    assert returned_lie("delta", own, own + 7 * away, typical, d.reduced) is None
+    assert "delta averages" in str(returned_lie("delta", own, own + 9 * away, typical, d.reduced))
+    assert returned_lie("probe", own, own + 9 * away, typical, d.reduced) is None  # probe check
     bad = own.clone()
     bad[0] = float("nan")
-    assert returned_lie("probe", own, bad, typical, factor) == "non-finite averages"
+    assert returned_lie("probe", own, bad, typical, d.reduced) == "non-finite averages"
+    # of two
+    assert returned_pair_lie("delta", own, own) is None
+    assert returned_pair_lie("delta", own, -own) is None  # the size alone: the audit sees more
+    assert returned_pair_lie("delta", own, (1 + PAIR_SLACK) / 2 * away) is None
+    assert "of two" in str(returned_pair_lie("delta", own, 2 * away))
+    assert returned_pair_lie("probe", own, 9 * away) is None
+    assert returned_pair_lie("probe", own, bad) == "non-finite averages"
 
 
 def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
@@ -660,6 +667,7 @@ def reduce_one_part(
 def test_the_reducer_drops_bad_parts_and_clips_outliers():
     g = torch.Generator().manual_seed(0)
     own, honest = torch.randn(100, generator=g), torch.randn(100, generator=g)
+    honest *= own.norm() / honest.norm()  # of the same size: a pair of them averages as it is
     avg, rejected = reduce_one_part({0: own, 1: honest})
     assert torch.allclose(avg, (own + honest) / 2) and not rejected  # honest parts pass as they are
     avg, rejected = reduce_one_part({0: own, 1: honest, 2: torch.full((100,), float("nan"))})
@@ -671,12 +679,11 @@ def test_the_reducer_drops_bad_parts_and_clips_outliers():
     avg, rejected = reduce_one_part({0: own, 1: honest, 2: honest * 1e6})
     assert torch.allclose(avg, (own + honest) / 2) and [i for i, _ in rejected] == [2]
     assert not rejected[0][1].startswith("left out")  # beyond any honest part: banned
-    # with two members the reducer trusts its own part: another part is clipped to the sum of
-    # two typical sizes (the smaller norm) around it
+    # with two members no part is trusted more than the other, the reducer's own neither: both
+    # are scaled down to the smaller norm
     far = own + 10 * own.norm() * honest / honest.norm()
     avg, rejected = reduce_one_part({0: own, 1: far})
-    clipped = own + (far - own) * (2 * own.norm() / (far - own).norm())
-    assert not rejected and torch.allclose(avg, (own + clipped) / 2, atol=1e-5)
+    assert not rejected and torch.allclose(avg, (own + far * own.norm() / far.norm()) / 2)
     # with three or more, around their coordinate-wise median, to one typical size
     third = torch.randn(100, generator=g)
     avg, rejected = reduce_one_part({0: own, 1: honest, 2: third, 3: far})
@@ -718,8 +725,16 @@ def test_no_honest_reducer_is_taken_for_a_liar_when_members_have_just_joined():
     """Honest updates share a descent direction (weakly to strongly); members that have just
     joined or re-synchronized bring updates 3-10x smaller than the others'. Whichever member
     reduces, every other member finds what it returns within 1.5 of the 4 (typical update + own
-    part) that the check allows: honest averages sit well inside the bound."""
-    from atomtrain.peer.robust import Defence, Typical, reducer_bounds, returned_lie
+    part) that the check allows: honest averages sit well inside the bound. Of two, an average
+    is no larger than either member's part (the check's slack left for the codec)."""
+    from atomtrain.peer.robust import (
+        PAIR_SLACK,
+        Defence,
+        Typical,
+        reducer_bounds,
+        returned_lie,
+        returned_pair_lie,
+    )
 
     g = torch.Generator().manual_seed(3)
     base = torch.randn(400, generator=g)
@@ -745,17 +760,31 @@ def test_no_honest_reducer_is_taken_for_a_liar_when_members_have_just_joined():
                         assert why is None, (shared, sizes, reducer, member, why)
                     groups += 1
                 # the same members with the reducer out of sync (its update left out): it
-                # clips the others' around their mean, checked as tightly
+                # clips the others' around their median, checked as tightly
                 stale = torch.randn(400, generator=g)
                 flags = [False] + [True] * len(parts)
                 average, rejected = reduce_one_part(
                     dict(enumerate([stale, *parts])), shape=(400,), in_sync=flags
                 )
                 claims = [float(p.pow(2).mean().sqrt()) for p in parts]
-                bounds = reducer_bounds(claims, False, Defence(reduced=4.0))
+                typical = reducer_bounds(claims, Defence(reduced=4.0))
                 for own in parts:
-                    assert returned_lie("delta", own, average, bounds[0], 1.5) is None, sizes
-    assert groups == 3 * 2 * 18
+                    assert returned_lie("delta", own, average, typical, 1.5) is None, sizes
+            # two members, whichever reduces (or a third out of sync): the pair check passes
+            for sizes in ([small, 1.0], [1.0, 1.0], [1.0, small]):
+                parts = [s * (shared * base + torch.randn(400, generator=g)) for s in sizes]
+                stale = torch.randn(400, generator=g)
+                for group, flags in (
+                    ({0: parts[0], 1: parts[1]}, None),
+                    ({0: parts[1], 1: parts[0]}, None),
+                    ({0: stale, 1: parts[0], 2: parts[1]}, [False, True, True]),
+                ):
+                    average, rejected = reduce_one_part(group, shape=(400,), in_sync=flags)
+                    assert not rejected
+                    for own in parts:
+                        assert returned_pair_lie("delta", own, average / PAIR_SLACK) is None
+                    groups += 1
+    assert groups == 3 * 2 * (18 + 9)
 
 
 def test_updates_of_members_out_of_sync_are_left_out():
@@ -765,13 +794,36 @@ def test_updates_of_members_out_of_sync_are_left_out():
     avg, rejected = reduce_one_part(
         {0: own, 1: honest, 2: torch.zeros(100)}, in_sync=[True, True, False]
     )
-    assert torch.allclose(avg, (own + honest) / 2) and not rejected
+    scaled = honest * min(1.0, float(own.norm() / honest.norm()))  # of two: the smaller size
+    assert torch.allclose(avg, (own * min(1.0, float(honest.norm() / own.norm())) + scaled) / 2)
+    assert not rejected
     # the reducer's own update left out (it missed a round) and two others: no majority and no
     # reference, so neither is banned (both used to be, the honest one too, and the reducer
-    # then failed on an empty stack)
+    # then failed on an empty stack); the far one is scaled down to the other's size
     far = honest * 50
     avg, rejected = reduce_one_part({0: own, 1: honest, 2: far}, in_sync=[False, True, True])
-    assert not rejected and bool(torch.isfinite(avg).all())
+    assert not rejected and torch.allclose(avg, honest)
+
+
+def test_of_two_a_member_that_flips_and_inflates_its_update_cancels_a_round_never_reverses_it():
+    """A pair of an honest member (update u) and one that sends -k u: whichever of the two
+    reduces a span, the average is no larger than u (here: nothing), and what the honest member
+    receives passes its check. Centered on its own part, the attacker used to return about
+    -k/2 u (-10 u here), inside the loose bound that centering needed, and the honest peer
+    applied it: bench attack's sybil run went from loss 3.0 to 13 in one such round."""
+    from atomtrain.peer.robust import returned_pair_lie
+
+    g = torch.Generator().manual_seed(7)
+    u = torch.randn(100, generator=g)
+    for k in (1.0, 20.0, 1e3):
+        for reducer in (0, 1):  # the attacker reduces, or the honest member
+            parts = {0: -k * u, 1: u} if reducer == 0 else {0: u, 1: -k * u}
+            avg, rejected = reduce_one_part(parts)
+            assert float(avg.norm()) < 1e-5 * float(u.norm()), (k, reducer)
+            assert returned_pair_lie("delta", u, avg) is None
+            # a reducer leaves the other out of the next rounds where it sits beyond 20 times
+            # two sizes of its own part (still averaged now, scaled down)
+            assert [i for i, _ in rejected] == ([1] if k > 39 else []), (k, reducer)
 
 
 def test_the_sync_reference_is_the_member_most_others_agree_with():

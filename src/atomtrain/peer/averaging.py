@@ -24,24 +24,23 @@ so every attempt restarts from that copy. Both live in shared memory, read by hi
 
 The averager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
 (robust.py), has a second member replay each span's reduction (audit.py: the round is discarded
-before anything is applied when a replay and the averages received differ), and excludes from
-its next rounds (`STALL_ROUNDS`, doubled at each repeat, one repeat forgiven every
-`FORGIVE_ROUNDS` quiet rounds) any member that stalled a round: one that joined the group and
-then sent nothing, or reduced nothing (exact.py tells which), or reduced its span to averages
-beyond what an honest reducer returns (robust.reducer_bounds), or that an audit showed lying as
-a reducer or an auditor. Counted in rounds rather than banned for good, since an honest peer
-frozen for a while (or cut off), or an honest reducer left with fewer than three parts, can look
-the same. A group that holds a member this one excludes or banned does not make it abort (that
-would spoil the round for the others too): it takes part. An audited round it then applies like
-any other when every check passes: every reducer combined that member's parts by what it
-measures (robust.py: non-finite and far too large parts dropped, the rest clipped, so the
-member weighs what any other member does), and every reducer's averages were audited, its own
-span's too. Discarding it instead left this member a round behind the others that applied it,
-out of sync, and it spent the next rounds re-synchronizing: in bench attack's 4-peer swarms an
-honest peer that had banned the attacker before the others did applied 1 round of 7 where a
-third party's group still took the attacker in. An unaudited round it discards for itself only
-(and where it reduces it drops that member's parts): there a banned reducer's averages are only
-bounded, not checked.
+before anything is applied when a replay and the averages received differ), and excludes from its
+next rounds (`STALL_ROUNDS`, doubled at each repeat, one repeat forgiven every `FORGIVE_ROUNDS`
+quiet rounds) any member that stalled a round: one that joined the group and then sent nothing, or
+reduced nothing (exact.py tells which), or reduced its span to averages beyond what an honest
+reducer returns (robust.reducer_bounds, robust.PAIR_SLACK), or that an audit showed lying as a
+reducer or an auditor. Counted in rounds rather than banned for good, since an honest peer frozen
+for a while (or cut off), or an honest reducer whose own update is tens of times the others', can
+look the same. A group that holds a member this one excludes or banned does not make it abort (that
+would spoil the round for the others too): it takes part. An audited round it then applies like any
+other when every check passes: every reducer combined that member's parts by what it measures
+(robust.py: non-finite and far too large parts dropped, the rest clipped, so the member weighs what
+any other member does), and every reducer's averages were audited, its own span's too. Discarding
+it instead left this member a round behind the others that applied it, out of sync, and it spent
+the next rounds re-synchronizing: in bench attack's 4-peer swarms an honest peer that had banned
+the attacker before the others did applied 1 round of 7 where a third party's group still took the
+attacker in. An unaudited round it discards for itself only (and where it reduces it drops that
+member's parts): there a banned reducer's averages are only bounded, not checked.
 """
 
 from __future__ import annotations
@@ -848,13 +847,14 @@ class GuardedAverager(DecentralizedAverager):
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
-    def _lie(self, tight: bool) -> float:
+    def _lie(self) -> float:
         """bench attack's lying reducer: as far as the swarm's check lets it (its own defences'
-        bounds, which every member shares; the defaults in an undefended swarm)."""
+        bounds, which every member shares; the defaults in an undefended swarm). With fewer
+        than three members in sync it returns an average of the largest size the pair check
+        accepts instead (robust.RobustReducer)."""
         if self._attack != "lying_reducer":
             return 0.0
-        bounds = self._defence or Defence()
-        return lie_sizes(bounds.reduced if tight else bounds.reject)
+        return lie_sizes((self._defence or Defence()).reduced)
 
     def _users(self, group_info: Any) -> list[dict[str, Any]]:
         """What each member told the group, in group order ({} where malformed)."""
@@ -874,9 +874,6 @@ class GuardedAverager(DecentralizedAverager):
         users = self._users(group_info)
         ids = group_info.peer_ids
         flags = membership(users)
-        # how its averages will be checked (robust.reducer_bounds): bench attack's liar lies as
-        # far as that lets it
-        tight = sum(flags) >= 3 or not flags[ids.index(self.peer_id)]
         claimed = [_number(u.get("weight")) for u in users]
         weights = (
             [w if math.isfinite(w) and w > 0 else MIN_WEIGHT for w in claimed]
@@ -898,7 +895,7 @@ class GuardedAverager(DecentralizedAverager):
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
             "on_doubt": self._stall if self._trusted else lambda peer_id, why: None,
-            "lie": self._lie(tight),  # bench attack only
+            "lie": self._lie(),  # bench attack only
         }
 
 

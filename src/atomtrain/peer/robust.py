@@ -5,11 +5,16 @@ part of that span and sends back their average. Here the reducer combines the pa
 from what it measures in the parts themselves, never from what members claim about them:
 
 - a part with non-finite values is dropped;
-- the *center* is the coordinate-wise median of the parts (with fewer than three, no majority
-  exists and the reducer trusts only its own part); the *typical size* is the lower median of
-  the parts' norms (one member can move neither beyond the honest members' values);
+- the *center* is the coordinate-wise median of the parts; the *typical size* is the lower
+  median of the parts' norms (one member can move neither beyond the honest members' values);
 - a pseudo-gradient part farther from the center than `clip` typical sizes is pulled back onto
   that bound (centered clipping); beyond `reject` sizes it is dropped;
+- with fewer than three parts no majority exists, so no part is trusted more than another,
+  the reducer's own included: each is scaled down to the smaller norm (`clip` times it) and
+  they are averaged. Whoever reduces, the average is then no larger than the smaller part: in a
+  pair with a member that flips or inflates its update, the honest member's round is worth
+  nothing, never worse (centered on its own part, a reducer once returned the other's inflated
+  and reversed update, 20 honest sizes, accepted by the loose check that centering needed);
 - every member weighs the same: token counts are claims nobody can check, so a member that
   reports more tokens gains no weight. With N members, one member moves the average by at most
   about clip / N typical updates from where the others put it, whatever it sends or claims;
@@ -26,17 +31,16 @@ one that had just caught up sent 32 clipping bounds). Beyond `ban` (10^4 bounds)
 elements (see averaging.py) are averaged as they are, with the same weights, so every member can
 still tell a fully averaged round from a partial one.
 
-A reducer can lie too: every member checks the averaged parts it receives (reducer_bounds):
-within `reduced` times a typical update and its own part of its own values where the reducer
-clips around a median or a mean (three or more members in sync, or a reducer out of sync),
-`reject` times where it centers on its own part (fewer than three in sync, the reducer among
-them). A reducer that returns non-finite values is rejected and banned like a sender; one beyond
-its bound is doubted: the round is discarded and the reducer left out of the next rounds for a
-while, as a member that stalls (longer each time), not banned, since an honest reducer can land
-there too (one left with fewer than three parts centers on its own part). One that lies within
-the bound is caught by the span's auditor instead (audit.py: a second member replays every
-reduction, `Defence.audit`); without the audit it could move its span's average by a few typical
-updates each round (up to about 40 where it centers on its own part), unseen.
+A reducer can lie too: every member checks the averaged parts it receives. With three or more
+members in sync (reducer_bounds), within `reduced` times a typical update and its own part of
+its own values; with fewer, no larger than `PAIR_SLACK` times its own part (a member in sync:
+its part is one of the two). A reducer that returns non-finite values is rejected and banned
+like a sender; one beyond its bound is doubted: the round is discarded and the reducer left out
+of the next rounds for a while, as a member that stalls (longer each time), not banned, since an
+honest reducer can land there too (one whose own update is tens of times a member's). One that
+lies within the bound is caught by the span's auditor instead (audit.py: a second member replays
+every reduction, `Defence.audit`); without the audit it could move its span's average by a few
+typical updates each round, unseen.
 """
 
 from __future__ import annotations
@@ -74,10 +78,9 @@ class Defence:
     scales its update by a million would otherwise only be left out for a while, and back."""
     reduced: float = 4.0
     """A reducer's average of an update span farther from a member's own part than this many
-    times (typical update + that part) is doubted where the reducer clips around a median (three
-    or more members in sync) or a mean (it is out of sync): the round is discarded and the
-    reducer left out for a while (reducer_bounds; `reject` times where it centers on its own
-    part). Honest averages were measured within 0.97 of such a size in the median case, with
+    times (typical update + that part) is doubted where three or more members are in sync: the
+    round is discarded and the reducer left out for a while (reducer_bounds; fewer in sync:
+    PAIR_SLACK). Honest averages were measured within 0.97 of such a size in the median case, with
     members whose updates are 3-10x smaller than the others'; in 7 churn runs (a peer killed
     mid-round, restarted, a joiner) no honest reducer was doubted (the churn failures once
     blamed on this check were re-synchronizations that could not land: runtime.py `_apply`).
@@ -126,31 +129,21 @@ def bound(scale: float, numel: int, factor: float) -> float:
     return factor * scale * math.sqrt(max(numel, 1)) + 1e-12
 
 
-def reducer_bounds(
-    claims: Sequence[float], reducer_counted: bool, defence: Defence
-) -> tuple[Typical, float]:
-    """(typical update, factor) a reducer's averages are checked against, from the sizes the
-    members in sync reported (`claims`, one per member in sync, valid or not) and whether the
-    reducer is one of them:
-    - three or more in sync: each reducer clips their parts around their median; the typical
-      update is the upper median of their valid reports, the factor `reduced`;
-    - fewer, the reducer among them: it centers on its own part, so an honest average may sit
-      about its size from a member's; the smaller report, the factor `reject`;
-    - fewer, the reducer not among them (out of sync: its own update left out): it clips the
-      others' parts around their mean; the larger report, but no more than `reject / reduced`
-      times the smaller (so a colluder's claim buys no more than the loose bound), the factor
-      `reduced`.
-    The case follows the count of members in sync, not of valid reports: a member cannot pick
-    the loose bound by reporting nonsense."""
+def reducer_bounds(claims: Sequence[float], defence: Defence) -> Typical:
+    """The typical update a reducer's averages are checked against where three or more members
+    are in sync (each reducer clips their parts around their median): the upper median of the
+    sizes they reported (`claims`, one per member in sync, valid or not), at `defence.reduced`.
+    With fewer in sync the pair check applies instead (returned_pair_lie), whatever the reports
+    say: a member cannot pick a looser check by reporting nonsense."""
     ok = sorted(c for c in claims if math.isfinite(c) and c >= 0)
-    if len(claims) >= 3:
-        return Typical.of(ok, defence.min_scale), defence.reduced
-    if reducer_counted:
-        return Typical.of(ok, defence.min_scale), defence.reject
-    if not ok:
-        return Typical(defence.min_scale), defence.reduced
-    cap = defence.reject / defence.reduced * max(ok[0], defence.min_scale)
-    return Typical(max(min(ok[-1], cap), defence.min_scale)), defence.reduced
+    return Typical.of(ok, defence.min_scale)
+
+
+PAIR_SLACK = 1.25
+"""Fewer than three members in sync: an honest average is no larger than the smaller of its
+parts, so no larger than a member's own (as the reducer received it, through the codec, and as
+the member receives the average, through it again: a few percent either way). A reducer that
+returns more is doubted."""
 
 
 NON_FINITE = "non-finite averages"
@@ -169,6 +162,18 @@ def returned_lie(
     norm = float(delta.norm())
     if kind != PROBE and norm > size * factor:
         return f"{kind} averages {norm / size:.3g}x typical"
+    return None
+
+
+def returned_pair_lie(kind: str, own: torch.Tensor, average: torch.Tensor) -> str | None:
+    """As returned_lie, where fewer than three members are in sync and this member is one of
+    them: an honest average (of parts scaled down to the smaller one) is no larger than `own`."""
+    if not bool(torch.isfinite(average.float()).all()):
+        return NON_FINITE
+    size = float(own.float().norm()) + 1e-12
+    norm = float(average.float().norm())
+    if kind != PROBE and norm > size * PAIR_SLACK:
+        return f"{kind} averages {norm / size:.3g}x this member's part, of two"
     return None
 
 
@@ -273,6 +278,8 @@ class RobustReducer(TensorPartReducer):
         if not candidates:
             return torch.zeros(shape)
         numel = max(int(torch.Size(shape).numel()), 1)
+        # without a majority (fewer than three parts) no part is trusted more than another
+        few = len(candidates) < 3 and math.isfinite(self.defence.clip)
         # parts far beyond any honest one are dropped first (our own too, when a majority can
         # outvote it); the rest are clipped around a center and scale they alone decide
         tau, center = self._radius(candidates, numel)
@@ -282,23 +289,36 @@ class RobustReducer(TensorPartReducer):
         for i, x in list(candidates.items()):
             norm = float((x - center).norm())
             if judged and norm > self.defence.reject * tau:
+                ban = norm > self.defence.ban * tau
+                # of two, the other is left out of the next rounds but still averaged now,
+                # scaled down like any part: the average stays what any reducer returns
+                drop = ban or not few
                 self._reject(
-                    i,
-                    f"sent a {kind} part {norm / tau:.3g}x the clipping bound",
-                    ban=norm > self.defence.ban * tau,
+                    i, f"sent a {kind} part {norm / tau:.3g}x the clipping bound", ban, drop
                 )
-                del candidates[i]
+                if drop:
+                    del candidates[i]
         if not candidates:
             return torch.zeros(shape)
+        typical = lower_median([float(x.norm()) for x in candidates.values()])
+        if len(candidates) < 3 and math.isfinite(self.defence.clip):
+            scale = self.defence.clip * max(typical, bound(self.defence.min_scale, numel, 1.0))
+            kept = [
+                (i, x * min(1.0, scale / max(float(x.norm()), 1e-30)))
+                for i, x in candidates.items()
+            ]
+            average = self._mean(kept, shape)
+            if self.lie and kind == DELTA:  # bench attack only: as large as the pair check allows
+                average = lie_direction(shape, self.current_part_index) * typical
+            return average
         tau, center = self._radius(candidates, numel)
-        kept: list[tuple[int, torch.Tensor]] = []
+        kept = []
         for i, x in candidates.items():
             r = x - center
             norm = float(r.norm())
             kept.append((i, center + r * (tau / norm) if norm > tau else x))
         average = self._mean(kept, shape)
         if self.lie and kind == DELTA:  # bench attack only
-            typical = lower_median([float(x.norm()) for x in candidates.values()])
             average += lie_direction(shape, self.current_part_index) * (self.lie * typical)
         return average
 
@@ -309,14 +329,14 @@ class RobustReducer(TensorPartReducer):
             lower_median([float(x.norm()) for x in parts.values()]),  # the typical size
             bound(self.defence.min_scale, numel, 1.0),
         )
-        # with the reducer's own part as the center, an honest part may sit up to about the
-        # sum of two updates' sizes away; around the median, about one
+        # around the reducer's own part (judging a pair), an honest part may sit up to about
+        # the sum of two updates' sizes away; around the median, about one
         return self.defence.clip * scale * (2.0 if own_centered else 1.0), center
 
     def _center(self, parts: dict[int, torch.Tensor]) -> tuple[torch.Tensor, bool]:
-        """The median of three or more parts; with fewer, no majority exists and the reducer
-        trusts its own part (True: centered on it), or without it, their mean (which judges
-        no one: _combine bans only against a majority or its own part)."""
+        """The median of three or more parts; with fewer, the reducer's own part (True:
+        centered on it), which only judges the other (its average is of parts scaled down,
+        _combine), or without it, their mean (which judges no one)."""
         if len(parts) >= 3:
             return median_center(list(parts.values())), False
         own = parts.get(self.own_sender)
@@ -332,12 +352,14 @@ class RobustReducer(TensorPartReducer):
             total += self.weights[i]
         return out.div_(total) if total > 0 else out
 
-    def _reject(self, sender: int, why: str, ban: bool = True) -> None:
-        """Drop the sender's parts from now on; another member is also banned, or with
-        ban=False (a part only far larger than the others: an honest member that caught up or
-        trained alone for a while sends one too) left out of the next rounds for a while (our
-        own update is only left out of this one: a majority found it far from theirs)."""
-        self.dropped[sender] = True
+    def _reject(self, sender: int, why: str, ban: bool = True, drop: bool = True) -> None:
+        """Drop the sender's parts from now on (unless drop=False: only left out of the next
+        rounds); another member is also banned, or with ban=False (a part only far larger than
+        the others: an honest member that caught up or trained alone for a while sends one too)
+        left out of the next rounds for a while (our own update is only left out of this one:
+        a majority found it far from theirs)."""
+        if drop:
+            self.dropped[sender] = True
         if sender != self.own_sender:
             (self.on_reject if ban else self.on_doubt)(sender, why)
 
@@ -367,12 +389,17 @@ class RobustRunner(ExactAverageRunner):
         own_parts = self.tensor_part_container._input_parts_by_peer[own_index]
         part_kinds = [kinds[info.key] for _, info in own_parts]
         senders = self.sender_peer_ids
-        # what each reducer's averages are checked against (reducer_bounds)
+        # what every reducer's averages are checked against: with three or more members in
+        # sync, a typical update (reducer_bounds); with fewer, this member's own part, if it
+        # is one of them (None: out of sync, it applies nothing of this round)
         counted = [p for p in senders if in_sync is None or in_sync.get(p, True)]
         claims = [reported_rms.get(p, math.nan) for p in counted]
-        self._bounds = [
-            reducer_bounds(claims, p in counted, defence) for p in self.ordered_peer_ids
-        ]
+        self._typical: Typical | None = (
+            reducer_bounds(claims, defence)
+            if len(counted) >= 3 or not math.isfinite(defence.clip)
+            else None
+        )
+        self._counted = self.peer_id in counted
         self._own_sender = senders.index(self.peer_id)
         self._weights = [weights.get(p, MIN_WEIGHT) for p in senders]
         self._in_sync = [in_sync[p] for p in senders] if in_sync is not None else None
@@ -423,16 +450,20 @@ class RobustRunner(ExactAverageRunner):
 
     def _check_reduced(self, peer_index: int, part_index: int, average: torch.Tensor) -> None:
         """`average`: what the reducer of that span sent back for our part. Non-finite: the
-        reducer is rejected and banned. Beyond its bound (reducer_bounds): it is doubted, left
-        out of the next rounds for a while as a member that stalls, not banned, since an honest
-        reducer can land there too (one left with fewer than three parts, others dropped or
-        missing, centers on its own part; with updates tens of times larger than a member's,
-        its honest average sits past any fixed bound). Either way the round is discarded."""
+        reducer is rejected and banned. Beyond its bound (reducer_bounds, PAIR_SLACK): it is
+        doubted, left out of the next rounds for a while as a member that stalls, not banned,
+        since an honest reducer can land there too (with its own update tens of times larger
+        than a member's, its honest average of three sits past any fixed bound). Either way the
+        round is discarded."""
         kind = self._kinds_by_peer[peer_index][part_index]
         own = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
-        typical, factor = self._bounds[peer_index]
         culprit = self.ordered_peer_ids[peer_index]
-        why = returned_lie(kind, own, average, typical, factor)
+        if self._typical is not None:
+            why = returned_lie(kind, own, average, self._typical, self.defence.reduced)
+        elif self._counted:
+            why = returned_pair_lie(kind, own, average)
+        else:  # out of sync: none of the update is ours to compare (nor applied here)
+            why = returned_pair_lie(PROBE, own, average)
         if why is None:
             return
         if why == NON_FINITE:
