@@ -44,7 +44,9 @@ member that trains honestly and, whenever it leads a group, sends its followers 
 metadata rewritten (a thousand times the rms and weight it claimed), under that member's
 signature; `lying_reducer`: a member that trains and sends honestly and, reducing its span of
 each round, moves the average it returns in one fixed direction by about as much as members
-accept (lie_sizes), the same average to every member (no member's copy differs from another's);
+accept (lie_sizes; of fewer than three in sync, returns an average in that direction as large as
+the pair check accepts), the same average to every member (no member's copy differs from
+another's);
 `lying_auditor`: a member that trains, sends and reduces honestly and, auditing a span
 (audit.py), tells every member that asks for its verdict projections 10% off the true ones, so
 that an honest reducer's round is discarded."""
@@ -52,8 +54,9 @@ SLANDER = 1.1
 """`lying_auditor` multiplies the projections it reports by this."""
 LIE_FRACTION = 0.75
 """A lying reducer moves its span's average by this share of what members accept from a reducer
-(robust.reducer_bounds: `factor` times a typical update and their own part, about 2 * factor
-typical updates for a member whose update is typical), as a reducer that knows the check would."""
+(robust.reducer_bounds, three or more members in sync: `factor` times a typical update and
+their own part, about 2 * factor typical updates for a member whose update is typical), as a
+reducer that knows the check would."""
 
 
 def lie_sizes(factor: float) -> float:
