@@ -15,8 +15,9 @@ tensors. A reducer that fails leaves the member's own part in its span, which th
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
 its parts before this member's all-reduce ended (hivemind leaves its parts out after its sender
-timeout), or a reducer that sent no averages within the reducer timeout. (A member that crashed
-looks the same; the averager excludes either for a while.) A reducer is not named for late
+timeout), or a reducer that sent no averages within the reducer timeout, which ends the round
+there (it is lost: that span holds this member's own part). (A member that crashed looks the
+same; the averager excludes either for a while.) A reducer is not named for late
 averages in a round where another member sent this one nothing: it may have waited for that
 member's parts, from its own, later start of the round. A member that answers it is not in
 the group is not named: an honest one that missed its leader's word (averaging.py,
@@ -133,6 +134,10 @@ class ExactAverageRunner(CountedRunner):
             except asyncio.TimeoutError:
                 if not self._waiting_for_a_staller(peer_id):
                     self._stalled(peer_id, "sent no averages of its span")
+                # its span holds our own part, not an average: the probes discard the round,
+                # so it ends now, not at the round's timeout (an audit waited there for the
+                # staller's verdicts: a stalled round took 15 s of the bench's 15, not 10)
+                self.finalize(exception=AllreduceException(f"{peer_id} sent no averages in time"))
                 raise
             except AllreduceException as e:
                 if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
