@@ -246,6 +246,74 @@ def test_a_downloaded_state_sets_the_schedule_where_the_swarm_stands_not_where_i
         assert b.peer._schedule_step == swarm_step
 
 
+def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_part():
+    """Of a pair, one may lie and then vouch for nothing: its honest partner would hold a state
+    no third peer could take (bench attack's sybil run split three honest peers so). While
+    three members could take part, a round needs three in sync (sync.quorum)."""
+    from types import SimpleNamespace
+
+    from atomtrain.peer.agreement import RoundDigest, disagreement
+    from atomtrain.peer.averaging import RoundResult
+    from atomtrain.peer.sync import quorum
+
+    # why: a pair round applied by honest p with a liar that publishes another digest; q and r
+    # never took it. No download of p's state can be checked by the others
+    params, momentum = torch.ones(8), torch.zeros(8)
+    before = RoundDigest.of(4, params - 1, momentum)
+    p_state = RoundDigest.of(5, params, momentum)
+    junk = RoundDigest.of(5, params + 1, momentum)
+    others_of_q = {"p": [before, p_state], "r": [before], "liar": [junk]}
+    assert "match 1 of 3" in str(disagreement(5, params, momentum, others_of_q))
+
+    assert [quorum(n, defend=True) for n in (1, 2, 3, 4, 16)] == [2, 2, 3, 3, 3]
+    assert [quorum(n, defend=False) for n in (2, 3, 4)] == [2, 2, 2]
+
+    def status(name: str, **kw: object) -> PeerStatus:
+        return PeerStatus(name, 3, 30, 2.0, 1.0, 0.0, peer_id=f"id-{name}", **kw)
+
+    peer = SimpleNamespace(
+        _known_others=[
+            status("live"),
+            status("finished", done=True),  # past its last round: no more rounds with it
+            status("banned"),
+            status("staller"),
+        ],
+        rejected={"banned": "sent NaN"},
+        _left_out={"id-staller"},  # named by peer ID when no round told its name
+    )
+    assert PeerRuntime._live_members(peer) == 2  # this one and "live"
+    peer._left_out = set()  # a round with the staller landed again: it counts
+    assert PeerRuntime._live_members(peer) == 3
+
+    class Applying(Exception):
+        pass
+
+    def apply(live: int, in_sync: list[bool], final: bool = False) -> str:
+        lost: list[str] = []
+        fake = SimpleNamespace(
+            averager=object(),
+            cfg=SimpleNamespace(defend=True),
+            _final=final,
+            _round_started=0.0,
+            _live_members=lambda: live,
+            _lose_round=lambda why, record: lost.append(why),
+            runner=SimpleNamespace(host_parameters=lambda: (_ for _ in ()).throw(Applying())),
+        )
+        result = RoundResult(len(in_sync), [{}] * len(in_sync), 0, in_sync, [""] * len(in_sync))
+        try:
+            PeerRuntime._apply(fake, result, {})
+        except Applying:
+            return "applied"
+        return lost[0]
+
+    assert apply(2, [True, True]) == "applied"  # the whole swarm: a pair is a round
+    assert apply(4, [True, True]) == "2 members in sync while 3 could take part (sync.quorum)"
+    assert apply(4, [True, True, False]).startswith("2 members in sync")  # one out of sync
+    assert apply(4, [True, True, True]) == "applied"
+    assert apply(4, [True, True], final=True) == "applied"  # the last round: finish.py checks
+    assert apply(4, [True, False]) == "no other member in sync"
+
+
 def test_the_schedule_step_is_the_members_median_then_the_servers_within_the_run():
     from atomtrain.peer.state import swarm_schedule_step
 

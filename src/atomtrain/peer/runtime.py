@@ -85,6 +85,7 @@ from atomtrain.peer.rounds import (
 )
 from atomtrain.peer.state import StateCheck, download_sources, resync_floor, swarm_schedule_step
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
+from atomtrain.peer.sync import quorum
 from atomtrain.peer.traffic import RateMeter
 from atomtrain.peer.wire import WireMeter, daemon_meter
 from atomtrain.train.metrics import MetricsLog
@@ -184,6 +185,7 @@ class PeerRuntime:
         self._foreign: set[str] = set()  # peers of another protocol, warned about once
         self._roster: Roster | None = None
         self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
+        self._left_out: set[str] = set()  # stallers, by name or ID, until a round with them lands
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
         self.lock = threading.Lock()  # theta_sync, momentum, round: training vs state serving
         self.round = 0
@@ -821,6 +823,7 @@ class PeerRuntime:
             self._shift(0.0)
             self._start_resync(result)
             return
+        need = quorum(self._live_members(), self.cfg.defend)
         if result.in_sync and sum(result.in_sync) < 2 and not self._final:
             # no other member held our synchronized parameters, so the reducers left their
             # updates out and the "average" is our own update alone. Applied, it made a round
@@ -830,6 +833,13 @@ class PeerRuntime:
             # Not a round: the progress goes with the next. (Undefended rounds leave such
             # updates out too, exact.py: the same holds there.)
             self._lose_round("no other member in sync", record)
+            return
+        if result.in_sync and sum(result.in_sync) < need and not self._final:
+            # a state only a pair holds, one of them possibly a liar, no third peer could take
+            self._lose_round(
+                f"{sum(result.in_sync)} members in sync while {need} could take part (sync.quorum)",
+                record,
+            )
             return
         params = self.runner.host_parameters()
         with self.lock, self.averager.averaged() as pairs:
@@ -879,6 +889,7 @@ class PeerRuntime:
         record["group_size"] = result.group_size
         record["group"] = sorted(str(g.get("name", ""))[:64] for g in result.peers)
         self.last_group_ids = result.peer_ids
+        self._left_out -= {str(g.get("name", "")) for g in result.peers} | set(result.peer_ids)
         record["round_s"] = round_s
         record["round_bytes"] = self.last_round_bytes
         record["averaging_memory_ratio"] = self.averaging_memory_ratio()
@@ -984,7 +995,19 @@ class PeerRuntime:
             record["rejected_peers"] = sorted(self.rejected)
         for peer, why in self.averager.stalls():  # excluded for a while, not banned
             log.warning("left %s out of rounds for a while: it %s", peer, why)
+            self._left_out.add(peer)
             record.setdefault("stalled_peers", []).append(peer)
+
+    def _live_members(self) -> int:
+        """This peer and the live others that could take part in its rounds (as the status
+        thread last read them): not past their last round, not rejected, not left out as
+        stallers until a round with them lands again."""
+        gone = set(self.rejected) | self._left_out
+        return 1 + sum(
+            1
+            for s in self._known_others
+            if not s.done and s.name not in gone and s.peer_id not in gone
+        )
 
     def live_others(self) -> list[PeerStatus]:
         """The other peers whose status is fresh."""
