@@ -265,8 +265,8 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
     others_of_q = {"p": [before, p_state], "r": [before], "liar": [junk]}
     assert "match 1 of 3" in str(disagreement(5, params, momentum, others_of_q))
 
-    assert [quorum(n, defend=True) for n in (1, 2, 3, 4, 16)] == [2, 2, 3, 3, 3]
-    assert [quorum(n, defend=False) for n in (2, 3, 4)] == [2, 2, 2]
+    assert [quorum(n, keyed=True) for n in (1, 2, 3, 4, 16)] == [2, 2, 3, 3, 3]
+    assert [quorum(n, keyed=False) for n in (2, 3, 4)] == [2, 2, 2]  # open or undefended
 
     def status(name: str, **kw: object) -> PeerStatus:
         return PeerStatus(name, 3, 30, 2.0, 1.0, 0.0, peer_id=f"id-{name}", **kw)
@@ -288,11 +288,12 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
     class Applying(Exception):
         pass
 
-    def apply(live: int, in_sync: list[bool], final: bool = False) -> str:
+    def apply(live: int, in_sync: list[bool], final: bool = False, keyed: bool = True) -> str:
         lost: list[str] = []
         fake = SimpleNamespace(
             averager=object(),
             cfg=SimpleNamespace(defend=True),
+            membership=object() if keyed else None,
             _final=final,
             _round_started=0.0,
             _live_members=lambda: live,
@@ -311,6 +312,7 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
     assert apply(4, [True, True, False]).startswith("2 members in sync")  # one out of sync
     assert apply(4, [True, True, True]) == "applied"
     assert apply(4, [True, True], final=True) == "applied"  # the last round: finish.py checks
+    assert apply(4, [True, True], keyed=False) == "applied"  # open: anyone brings a third
     assert apply(4, [True, False]) == "no other member in sync"
 
 

@@ -628,7 +628,11 @@ def test_keygen_and_bad_keys_from_the_command_line(tmp_path: Path):
 
 
 def reduce_one_part(
-    parts: dict[int, torch.Tensor], kind: str = "delta", shape=(100,), in_sync=None
+    parts: dict[int, torch.Tensor],
+    kind: str = "delta",
+    shape=(100,),
+    in_sync=None,
+    defence: Defence | None = None,
 ):
     """Run the robust reducer on one part: sender 0 is the reducer itself."""
     from hivemind.averaging.partition import AllreduceException
@@ -644,7 +648,7 @@ def reduce_one_part(
             [kind],
             [1.0] * n,
             0,
-            Defence(),
+            defence or Defence(),
             [False] * n,
             lambda i, why: rejected.append((i, why)),
             in_sync,
@@ -824,6 +828,28 @@ def test_of_two_a_member_that_flips_and_inflates_its_update_cancels_a_round_neve
             # a reducer leaves the other out of the next rounds where it sits beyond 20 times
             # two sizes of its own part (still averaged now, scaled down)
             assert [i for i, _ in rejected] == ([1] if k > 39 else []), (k, reducer)
+
+
+def test_of_two_a_member_just_resynchronized_takes_an_honest_average_above_its_own_part():
+    """Its update is a few steps' (here 1/20 of the other's), below the group's smallest typical
+    update, to which an honest reducer scales the parts: the average is about half the other's
+    update, ten times its own. Checked against its own part alone, honest reducers were left out
+    (bench attack's sybil run, 1.9x); against the floor too they pass, and a lie beyond fails."""
+    from atomtrain.peer.robust import bound, returned_pair_lie
+
+    g = torch.Generator().manual_seed(8)
+    u = torch.randn(100, generator=g)
+    small = 0.05 * torch.randn(100, generator=g)
+    floor = float(u.norm()) / bound(1.0, 100, 1.0)  # min_scale: the other's update RMS
+    d = Defence(min_scale=floor)
+    for reducer in (0, 1):
+        parts = {0: u, 1: small} if reducer == 0 else {0: small, 1: u}
+        avg, rejected = reduce_one_part(parts, defence=d)
+        assert not rejected
+        assert float(avg.norm()) > 5 * float(small.norm())  # far above its own part
+        assert "of two" in str(returned_pair_lie("delta", small, avg))  # the old check
+        assert returned_pair_lie("delta", small, avg, d.min_scale) is None
+        assert "of two" in str(returned_pair_lie("delta", small, 2 * u, d.min_scale))
 
 
 def test_the_sync_reference_is_the_member_most_others_agree_with():

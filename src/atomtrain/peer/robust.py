@@ -165,12 +165,17 @@ def returned_lie(
     return None
 
 
-def returned_pair_lie(kind: str, own: torch.Tensor, average: torch.Tensor) -> str | None:
+def returned_pair_lie(
+    kind: str, own: torch.Tensor, average: torch.Tensor, min_scale: float = 0.0
+) -> str | None:
     """As returned_lie, where fewer than three members are in sync and this member is one of
-    them: an honest average (of parts scaled down to the smaller one) is no larger than `own`."""
+    them: an honest average (of parts scaled down to the smaller one, or to the group's smallest
+    typical update, `min_scale` RMS, where that is larger) is no larger than `own` or that. (A
+    member that has just re-synchronized holds an update of a few steps, far below the floor:
+    checked against its own part alone, honest reducers returned 1.9x it and were left out.)"""
     if not bool(torch.isfinite(average.float()).all()):
         return NON_FINITE
-    size = float(own.float().norm()) + 1e-12
+    size = max(float(own.float().norm()), bound(min_scale, own.numel(), 1.0)) + 1e-12
     norm = float(average.float().norm())
     if kind != PROBE and norm > size * PAIR_SLACK:
         return f"{kind} averages {norm / size:.3g}x this member's part, of two"
@@ -461,7 +466,7 @@ class RobustRunner(ExactAverageRunner):
         if self._typical is not None:
             why = returned_lie(kind, own, average, self._typical, self.defence.reduced)
         elif self._counted:
-            why = returned_pair_lie(kind, own, average)
+            why = returned_pair_lie(kind, own, average, self.defence.min_scale)
         else:  # out of sync: none of the update is ours to compare (nor applied here)
             why = returned_pair_lie(PROBE, own, average)
         if why is None:

@@ -823,7 +823,7 @@ class PeerRuntime:
             self._shift(0.0)
             self._start_resync(result)
             return
-        need = quorum(self._live_members(), self.cfg.defend)
+        need = quorum(self._live_members(), self.cfg.defend and self.membership is not None)
         if result.in_sync and sum(result.in_sync) < 2 and not self._final:
             # no other member held our synchronized parameters, so the reducers left their
             # updates out and the "average" is our own update alone. Applied, it made a round

@@ -49,20 +49,25 @@ QUORUM = 3
 """Members in sync a defended round needs once the swarm has that many live members."""
 
 
-def quorum(live_members: int, defend: bool) -> int:
+def quorum(live_members: int, keyed: bool) -> int:
     """Members in sync a round needs before it is applied, in a swarm of `live_members` (this
-    peer included) that could take part.
+    peer included) that could take part; `keyed`: a defended swarm whose members hold
+    certificates.
 
     A state is checked by those that hold it: a drifted peer or a joiner takes a downloaded state
-    only when two other peers vouch for its digests (agreement.py). Of a pair, one may be a liar
-    that vouches for nothing afterwards, and what its honest partner applied is then a state no
-    other peer can take: that partner sits out of step with every other for good. (bench attack's
-    sybil run: a sign-flipping member paired with each honest peer in turn and published no digest
-    of what it applied; the three honest peers ended on three states that no download could check,
-    and one of them applied 2 rounds of 23.) Three in sync hold two honest members when at most
-    one lies. So while three members could take part, a round of two is not applied: its progress
-    goes with the next round. In a swarm of three, a member that stays away keeps the other two
-    from applying pairs (each trains on, its progress kept for the first round of three): safety
-    over liveness, where one liar of three leaves no other choice. Undefended swarms take
-    downloads unchecked, so a pair is a round there."""
-    return QUORUM if defend and live_members >= QUORUM else 2
+    only when two other members vouch for its digests (agreement.py). Of a pair, one may be a
+    liar that vouches for nothing afterwards, and what its honest partner applied is then a state
+    no other peer can take: that partner sits out of step with every other for good. (bench
+    attack's sybil run: a sign-flipping member paired with each honest peer in turn and published
+    no digest of what it applied; the three honest peers ended on three states no download could
+    check, and one of them applied 2 rounds of 23.) Three in sync hold two honest members when at
+    most one lies. So while three members could take part, a round of two is not applied: its
+    progress goes with the next round. In a swarm of three, a member that stays away keeps the
+    other two from applying pairs (each trains on, its progress kept for the first round of
+    three): safety over liveness, where one liar of three leaves no other choice.
+
+    Only where membership is certified: in an open swarm anyone can bring a third identity, so a
+    quorum would cost honest pairs their rounds (on 2 loaded cores, three open peers mostly meet
+    in pairs: the churn test's survivors applied 1 round of 8) and stop no one; an undefended
+    swarm takes downloads unchecked."""
+    return QUORUM if keyed and live_members >= QUORUM else 2
