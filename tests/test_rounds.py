@@ -254,7 +254,7 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
 
     from atomtrain.peer.agreement import RoundDigest, disagreement
     from atomtrain.peer.averaging import RoundResult
-    from atomtrain.peer.sync import quorum
+    from atomtrain.peer.sync import group_live, quorum
 
     # why: a pair round applied by honest p with a liar that publishes another digest; q and r
     # never took it. No download of p's state can be checked by the others
@@ -269,51 +269,64 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
     assert [quorum(n, keyed=False) for n in (2, 3, 4)] == [2, 2, 2]  # open or undefended
 
     def status(name: str, **kw: object) -> PeerStatus:
-        return PeerStatus(name, 3, 30, 2.0, 1.0, 0.0, peer_id=f"id-{name}", **kw)
+        return PeerStatus(name, 3, 30, 2.0, 1.0, 0.0, **{"peer_id": f"id-{name}", **kw})
 
+    averager = SimpleNamespace(rejected_ids={"id-banned"}, left_out_ids={"id-staller"})
     peer = SimpleNamespace(
+        averager=averager,
         _known_others=[
             status("live"),
             status("finished", done=True),  # past its last round: no more rounds with it
-            status("banned"),
+            status("finishing", finishing=True),  # waits for the last round only
+            status("renamed", peer_id="id-banned"),  # a banned member, under another name
             status("staller"),
         ],
-        rejected={"banned": "sent NaN"},
-        _left_out={"id-staller"},  # named by peer ID when no round told its name
     )
     assert PeerRuntime._live_members(peer) == 2  # this one and "live"
-    peer._left_out = set()  # a round with the staller landed again: it counts
+    averager.left_out_ids.clear()  # a round with the staller landed again: it counts
     assert PeerRuntime._live_members(peer) == 3
+
+    # the group decides from what its members told it: the largest claim, the same for all
+    assert group_live([{"live": 2}, {"live": 3}]) == 3
+    assert group_live([{"live": 3}, {"live": -5}, {"live": "x"}, {}, None]) == 3
+    assert group_live([{"live": 10**30}]) == 1 << 20
+    assert group_live([]) == 1
 
     class Applying(Exception):
         pass
 
-    def apply(live: int, in_sync: list[bool], final: bool = False, keyed: bool = True) -> str:
+    def apply(
+        claims: list[int], in_sync: list[bool], final=False, keyed=True, group_size=64
+    ) -> str:
         lost: list[str] = []
         fake = SimpleNamespace(
             averager=object(),
-            cfg=SimpleNamespace(defend=True),
+            cfg=SimpleNamespace(defend=True, target_group_size=group_size),
             membership=object() if keyed else None,
             _final=final,
             _round_started=0.0,
-            _live_members=lambda: live,
             _lose_round=lambda why, record: lost.append(why),
             runner=SimpleNamespace(host_parameters=lambda: (_ for _ in ()).throw(Applying())),
         )
-        result = RoundResult(len(in_sync), [{}] * len(in_sync), 0, in_sync, [""] * len(in_sync))
+        peers = [{"live": c} for c in claims]
+        result = RoundResult(len(claims), peers, 0, in_sync, [""] * len(claims))
         try:
             PeerRuntime._apply(fake, result, {})
         except Applying:
             return "applied"
         return lost[0]
 
-    assert apply(2, [True, True]) == "applied"  # the whole swarm: a pair is a round
-    assert apply(4, [True, True]) == "2 members in sync while 3 could take part (sync.quorum)"
-    assert apply(4, [True, True, False]).startswith("2 members in sync")  # one out of sync
-    assert apply(4, [True, True, True]) == "applied"
-    assert apply(4, [True, True], final=True) == "applied"  # the last round: finish.py checks
-    assert apply(4, [True, True], keyed=False) == "applied"  # open: anyone brings a third
-    assert apply(4, [True, False]) == "no other member in sync"
+    assert apply([2, 2], [True, True]) == "applied"  # the whole swarm: a pair is a round
+    pair_lost = "2 members in sync while 3 could take part (sync.quorum)"
+    assert apply([3, 3], [True, True]) == pair_lost
+    # this member counts two live (it banned the third), its partner three: both lose it
+    assert apply([2, 3], [True, True]) == pair_lost
+    assert apply([4, 4, 4], [True, True, False]).startswith("2 members in sync")  # one behind
+    assert apply([4, 4, 4], [True, True, True]) == "applied"
+    assert apply([4, 4], [True, True], final=True) == "applied"  # the last: finish.py checks
+    assert apply([4, 4], [True, True], keyed=False) == "applied"  # open: anyone brings a third
+    assert apply([4, 4], [True, True], group_size=2) == "applied"  # groups of two by choice
+    assert apply([4, 4], [True, False]) == "no other member in sync"
 
 
 def test_the_schedule_step_is_the_members_median_then_the_servers_within_the_run():

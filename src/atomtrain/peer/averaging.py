@@ -195,6 +195,8 @@ class ProbedAverager:
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
         self._stalls: list[tuple[str, str]] = []
+        self.rejected_ids: set[str] = set()  # peer IDs (base58) rejected, as events came
+        self.left_out_ids: set[str] = set()  # stallers; the runtime forgets one as it returns
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata (events)
         self.traffic = Traffic()  # bytes moved, counted in the averager's process
         # hivemind ignores SIGINT in the calling process to start the averager and leaves it so:
@@ -404,6 +406,7 @@ class ProbedAverager:
             if kind == "name":  # from metadata its member signed (any, in open swarms)
                 self.names[peer_id] = why
                 continue
+            (self.left_out_ids if kind == "stall" else self.rejected_ids).add(peer_id)
             named = (self.names.get(peer_id) or peer_id, why)
             (self._stalls if kind == "stall" else out).append(named)
 

@@ -85,7 +85,7 @@ from atomtrain.peer.rounds import (
 )
 from atomtrain.peer.state import StateCheck, download_sources, resync_floor, swarm_schedule_step
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
-from atomtrain.peer.sync import quorum
+from atomtrain.peer.sync import group_live, quorum
 from atomtrain.peer.traffic import RateMeter
 from atomtrain.peer.wire import WireMeter, daemon_meter
 from atomtrain.train.metrics import MetricsLog
@@ -185,7 +185,6 @@ class PeerRuntime:
         self._foreign: set[str] = set()  # peers of another protocol, warned about once
         self._roster: Roster | None = None
         self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
-        self._left_out: set[str] = set()  # stallers, by name or ID, until a round with them lands
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
         self.lock = threading.Lock()  # theta_sync, momentum, round: training vs state serving
         self.round = 0
@@ -714,6 +713,7 @@ class PeerRuntime:
             "update_size": stats.size() * scale,
             "sync_every": self._proposal,
             "period_s": self._proposal_s,
+            "live": self._live_members(),  # the group's quorum: sync.group_live
         }
 
     def _start_round(self) -> None:
@@ -823,7 +823,10 @@ class PeerRuntime:
             self._shift(0.0)
             self._start_resync(result)
             return
-        need = quorum(self._live_members(), self.cfg.defend and self.membership is not None)
+        need = min(
+            quorum(group_live(result.peers), self.cfg.defend and self.membership is not None),
+            self.cfg.target_group_size,
+        )
         if result.in_sync and sum(result.in_sync) < 2 and not self._final:
             # no other member held our synchronized parameters, so the reducers left their
             # updates out and the "average" is our own update alone. Applied, it made a round
@@ -889,7 +892,7 @@ class PeerRuntime:
         record["group_size"] = result.group_size
         record["group"] = sorted(str(g.get("name", ""))[:64] for g in result.peers)
         self.last_group_ids = result.peer_ids
-        self._left_out -= {str(g.get("name", "")) for g in result.peers} | set(result.peer_ids)
+        self.averager.left_out_ids -= set(result.peer_ids)  # back in a round that landed
         record["round_s"] = round_s
         record["round_bytes"] = self.last_round_bytes
         record["averaging_memory_ratio"] = self.averaging_memory_ratio()
@@ -995,18 +998,17 @@ class PeerRuntime:
             record["rejected_peers"] = sorted(self.rejected)
         for peer, why in self.averager.stalls():  # excluded for a while, not banned
             log.warning("left %s out of rounds for a while: it %s", peer, why)
-            self._left_out.add(peer)
             record.setdefault("stalled_peers", []).append(peer)
 
     def _live_members(self) -> int:
         """This peer and the live others that could take part in its rounds (as the status
-        thread last read them): not past their last round, not rejected, not left out as
-        stallers until a round with them lands again."""
-        gone = set(self.rejected) | self._left_out
+        thread last read them): not finishing or past their last round, not rejected, not left
+        out as a staller until a round with it lands again (by peer ID: a status names itself
+        as it likes, its peer ID is what its certificate binds)."""
+        av = self.averager
+        gone = (av.rejected_ids | av.left_out_ids) if av is not None else set()
         return 1 + sum(
-            1
-            for s in self._known_others
-            if not s.done and s.name not in gone and s.peer_id not in gone
+            1 for s in self._known_others if not (s.done or s.finishing) and s.peer_id not in gone
         )
 
     def live_others(self) -> list[PeerStatus]:

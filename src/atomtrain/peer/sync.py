@@ -71,3 +71,20 @@ def quorum(live_members: int, keyed: bool) -> int:
     in pairs: the churn test's survivors applied 1 round of 8) and stop no one; an undefended
     swarm takes downloads unchecked."""
     return QUORUM if keyed and live_members >= QUORUM else 2
+
+
+def group_live(peers: Sequence[dict[str, object]]) -> int:
+    """The live members a round's group counts, from what each member told it (`live`): the
+    largest claim, so every member decides the same from the same metadata (a member's own
+    reading of the statuses and its own bans differ from another's, and a pair where one applied
+    and the other did not made the very state only one peer holds). A member that claims more
+    only makes the round need three; one that claims fewer moves nothing."""
+    claims = [1]
+    for g in peers:
+        if not isinstance(g, dict):
+            continue
+        try:
+            claims.append(max(1, min(int(g.get("live", 1)), 1 << 20)))  # type: ignore[call-overload]
+        except (TypeError, ValueError, OverflowError):
+            continue
+    return max(claims)
