@@ -277,14 +277,14 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
         _known_others=[
             status("live"),
             status("finished", done=True),  # past its last round: no more rounds with it
-            status("finishing", finishing=True),  # waits for the last round only
+            status("finishing", finishing=True),  # waits for the last round: counts
             status("renamed", peer_id="id-banned"),  # a banned member, under another name
             status("staller"),
         ],
     )
-    assert PeerRuntime._live_members(peer) == 2  # this one and "live"
+    assert PeerRuntime._live_members(peer) == 3  # this one, "live" and "finishing"
     averager.left_out_ids.clear()  # a round with the staller landed again: it counts
-    assert PeerRuntime._live_members(peer) == 3
+    assert PeerRuntime._live_members(peer) == 4
 
     # the group decides from what its members told it: the largest claim, the same for all
     assert group_live([{"live": 2}, {"live": 3}]) == 3
@@ -323,7 +323,8 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
     assert apply([2, 3], [True, True]) == pair_lost
     assert apply([4, 4, 4], [True, True, False]).startswith("2 members in sync")  # one behind
     assert apply([4, 4, 4], [True, True, True]) == "applied"
-    assert apply([4, 4], [True, True], final=True) == "applied"  # the last: finish.py checks
+    assert apply([4, 4], [True, True], final=True) == pair_lost  # the last round too
+    assert apply([2, 2], [True, True], final=True) == "applied"
     assert apply([4, 4], [True, True], keyed=False) == "applied"  # open: anyone brings a third
     assert apply([4, 4], [True, True], group_size=2) == "applied"  # groups of two by choice
     assert apply([4, 4], [True, False]) == "no other member in sync"
@@ -447,6 +448,26 @@ def test_the_outer_step_moves_model_and_sync_alike():
     torch.testing.assert_close(theta, theta2 - a_flat)
     torch.testing.assert_close(flatten(params, pieces), x2 + q_flat - a_flat)
     assert not m.view(torch.int32).any()
+
+
+def test_a_finisher_whose_last_round_did_not_land_ends_on_the_state_the_others_take():
+    """The others take its synchronized state (finish.py): its own model ends there too, its
+    local progress left behind, so every finisher holds the same model."""
+    import threading
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(50, generator=g), "b": torch.randn(7, generator=g)}
+    pieces = cut_pieces({n: p.numel() for n, p in params.items()}, pieces_hint=4)
+    theta = flatten(params, pieces) - 0.3  # the local progress since the last round: 0.3
+    peer = SimpleNamespace(
+        runner=SimpleNamespace(host_parameters=lambda: params),
+        pieces=pieces,
+        theta_sync=theta,
+        lock=threading.Lock(),
+    )
+    PeerRuntime.end_on_sync(peer)
+    assert torch.equal(flatten(params, pieces), theta)
 
 
 def test_an_overlapped_round_trains_on_from_its_share_and_lands_where_the_plain_rule_does():

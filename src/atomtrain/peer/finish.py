@@ -63,6 +63,8 @@ class Finisher:
             # several groups (a swarm larger than a group) or peers left out: every finisher
             # takes the result of the group holding the smallest peer ID, served from here
             # (they ask that peer first: state_sources)
+            if "group_size" not in record:  # it did not land here (failed, or sync.quorum):
+                peer.end_on_sync()  # what the others take is the synchronized state: so here
             self._linger()
         else:
             self._adopt_final_state(record, smallest)
