@@ -325,6 +325,8 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
     assert apply([4, 4, 4], [True, True, True]) == "applied"
     assert apply([4, 4], [True, True], final=True) == pair_lost  # the last round too
     assert apply([2, 2], [True, True], final=True) == "applied"
+    assert apply([2, 2], [True, False], final=True) == "applied"  # the last: its own, as before
+    assert apply([3, 3], [True, False], final=True).startswith("1 members in sync while 3")
     assert apply([4, 4], [True, True], keyed=False) == "applied"  # open: anyone brings a third
     assert apply([4, 4], [True, True], group_size=2) == "applied"  # groups of two by choice
     assert apply([4, 4], [True, False]) == "no other member in sync"

@@ -837,7 +837,7 @@ class PeerRuntime:
             # updates out too, exact.py: the same holds there.)
             self._lose_round("no other member in sync", record)
             return
-        if result.in_sync and sum(result.in_sync) < need:
+        if result.in_sync and need > 2 and sum(result.in_sync) < need:
             # a state only a pair holds, one of them possibly a liar, no third peer could take;
             # the last round's too: every finisher takes the result of the group holding the
             # smallest peer ID (finish.py), and of {an honest member, a sign-flipping one} that
