@@ -121,12 +121,15 @@ def test_quick_bench_end_to_end(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert "[bench scaling] seed 0 single" in proc.stderr
-    assert set(out["systems"]) == {"single", "atom_2", "sync_diloco", "ddp", "pipeline"}
-    for key in ("speedup_2", "speedup_vs_ddp", "speedup_vs_pipeline", "bytes_per_round"):
+    assert set(out["systems"]) == {"single", "ideal_2", "atom_2", "sync_diloco", "ddp", "pipeline"}
+    for key in (
+        "speedup_2", "speedup_vs_ddp", "speedup_vs_pipeline", "bytes_per_round", "ceiling_2",
+        "step_ceiling_2",
+    ):  # fmt: skip
         assert number(out[key]) and out[key] > 0, key
     assert 0 < out["device_busy_fraction"] <= 1.05
     assert out["averaging_memory_ratio"] is None or number(out["averaging_memory_ratio"])
-    for name in ("single", "atom_2", "ddp", "pipeline"):
+    for name in ("single", "ideal_2", "atom_2", "ddp", "pipeline"):
         system = out["systems"][name]
         assert number(system["median_s"]) and system["median_s"] > 0, name
         assert system["min_s"] <= system["median_s"] <= system["max_s"]
@@ -147,3 +150,47 @@ def test_quick_bench_end_to_end(tmp_path: Path):
     assert out["link"]["bandwidth_mbit"] == 10.0
     leftovers = [p.name for p in CPU_ROOT.glob("atom*")]
     assert not [n for n in leftovers if n.startswith(f"atom{proc.pid}-")]
+
+
+def test_the_ceiling_runs_the_peers_combined_batch_in_one_process_with_their_cpu(tmp_path: Path):
+    from atomtrain.bench.cgroup import CpuQuotas
+    from atomtrain.bench.scaling import ScalingBenchConfig, common_train_args
+
+    cfg = ScalingBenchConfig()
+    args = common_train_args(cfg, tmp_path, 0, tmp_path / "out", batches=4)
+    assert f"--data.rows={4 * cfg.rows}" in args
+    assert f"--train.micro_batch_rows={4 * cfg.rows}" in args
+    assert f"--data.rows={cfg.rows}" in common_train_args(cfg, tmp_path, 0, tmp_path / "out")
+    quotas = CpuQuotas(0.45, root=tmp_path)  # the groups' files only, no cgroup mounted here
+    peer, ideal = quotas.group("peer"), quotas.group("ideal", cores=4 * 0.45)
+    assert (peer / "cpu.cfs_quota_us").read_text() == "45000"
+    assert (ideal / "cpu.cfs_quota_us").read_text() == "180000"
+
+
+def test_the_ceiling_is_the_single_peer_time_and_steps_over_the_ideal_ones(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from atomtrain.bench.scaling_report import report
+
+    def run(name: str, hit_s: float, step: int, peers: int = 1) -> SystemRun:
+        log = [
+            {"step": 10, "loss": 3.0, "step_s": 0.1, "elapsed_s": 1.0, "time": 101.0},
+            {"step": step, "val_loss": 2.1, "time": 100.0 + hit_s},
+        ]
+        (tmp_path / name).mkdir()
+        return finished_run(tmp_path / name, [log] * peers, launch=100.0)
+
+    runs = {
+        "single": [run("s", 150.0, 1200)],
+        "ideal_2": [run("i", 100.0, 1000)],
+        "atom_2": [run("a", 160.0, 1300, peers=2)],
+    }
+    cfg = SimpleNamespace(
+        target_loss=2.2, peers=(2,), bandwidth_mbit=10.0, gpu_to_cpu_ratio=1000.0, cpu_per_peer=0.45
+    )
+    out = report(runs, cfg, 2, config={})
+    assert out["ceiling_2"] == 1.5 and out["step_ceiling_2"] == 1.2
+    assert out["speedup_2"] == 150.0 / 160.0
+    assert out["systems"]["ideal_2"]["per_seed"][0]["steps_to_target"] == 1000
+    del runs["ideal_2"]  # --no-ceiling
+    assert "ceiling_2" not in report(runs, cfg, 2, config={})

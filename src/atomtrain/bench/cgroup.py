@@ -53,20 +53,22 @@ class CpuQuotas:
     def _interrupted(self, signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    def group(self, name: str) -> Path:
-        """The group `name` (created on first use), capped at `cores` CPUs."""
+    def group(self, name: str, cores: float | None = None) -> Path:
+        """The group `name` (created on first use), capped at `cores` CPUs (by default the
+        quota every group gets)."""
         if name in self.groups:
             return self.groups[name]
         path = self.root / f"{self.tag}-{name}"
         path.mkdir()
         self.groups[name] = path
         (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (path / "cpu.cfs_quota_us").write_text(str(int(self.cores * PERIOD_US)))
+        quota = self.cores if cores is None else cores
+        (path / "cpu.cfs_quota_us").write_text(str(int(quota * PERIOD_US)))
         return path
 
-    def wrap(self, name: str, argv: list[str]) -> list[str]:
+    def wrap(self, name: str, argv: list[str], cores: float | None = None) -> list[str]:
         """`argv` behind a shell that moves itself into group `name` and then execs it."""
-        procs = shlex.quote(str(self.group(name) / "cgroup.procs"))
+        procs = shlex.quote(str(self.group(name, cores) / "cgroup.procs"))
         return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *argv]
 
     def pids(self, name: str) -> list[int]:

@@ -8,6 +8,12 @@ loss fixed in advance (`target_loss`, the same for every system and seed):
   alone, the others with `--peer.join` at its address); reached when EVERY peer has validated
   at or below the target;
 - `sync_diloco`: the largest swarm with blocking rounds (`--peer.sync_mode=blocking`);
+- `ideal_N`: the ceiling of data parallelism, one `atomtrain train` with N times the batch and
+  N times the CPU quota, so N peers' batches are combined every step with no communication, no
+  staleness and no helper processes: what a data-parallel swarm approaches from below as its
+  rounds get cheaper, more frequent and fresher. `ceiling_N` (time of `single` / of `ideal_N`)
+  and `step_ceiling_N` (single's steps to the target / ideal_N's) say how much N peers' data
+  can give on this workload at all;
 - `ddp` (float16 gradients all-reduced every step) and `pipeline` (N stages, GPipe) over gloo,
   run once for a short budget: unless they reach the target, they are credited with a lower
   bound, their start-up plus the single peer's steps to target / N times their seconds per step.
@@ -20,6 +26,7 @@ count, and in its own network namespace behind `tc tbf` links of `bandwidth_mbit
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -96,6 +103,9 @@ class ScalingBenchConfig:
     few steps between rounds these links allow (5-30), it beat DiLoCo's Nesterov (0.7, 0.9),
     tuned for hundreds of steps, in a simulation of 4 workers: loss 2.54 against 2.75 after 200
     steps at H = 10, 2.67 against 2.75 at H = 30 (the README has the table)."""
+    ceiling: bool = True
+    """Also run `ideal_N` for every swarm size: what any data-parallel system of N peers could
+    reach at best on this workload (the module docstring)."""
     matchmaking_s: float = 1.0
     """Time a round waits to gather its group: peers on one switch find each other fast."""
 
@@ -112,18 +122,23 @@ QUICK = ScalingBenchConfig(
 """--quick: the tiny model, one seed, two peers (target: a loss the tiny model passes early)."""
 
 
-def common_train_args(cfg: ScalingBenchConfig, data: Path, seed: int, out: Path) -> list[str]:
+def common_train_args(
+    cfg: ScalingBenchConfig, data: Path, seed: int, out: Path, batches: int = 1
+) -> list[str]:
+    """`atomtrain train`'s arguments for every system, with `batches` times the peers' batch
+    (`ideal_N`)."""
+    rows = cfg.rows * batches
     return [
         "train",
         "--quiet",
         "--no-sample",
         f"--run.out_dir={out}",
         f"--data.prepared={data}",
-        f"--data.rows={cfg.rows}",
+        f"--data.rows={rows}",
         f"--data.seq_len={cfg.seq_len}",
         f"--data.seed={seed}",
         f"--train.seed={seed}",
-        f"--train.micro_batch_rows={cfg.rows}",
+        f"--train.micro_batch_rows={rows}",
         "--train.steps=1000000",
         f"--train.eval_interval={cfg.eval_interval}",
         f"--train.eval_batches={cfg.eval_batches}",
@@ -140,6 +155,30 @@ def run_single(launcher: Launcher, cfg: ScalingBenchConfig, data: Path, seed: in
     argv = python_argv("atomtrain.cli.main", *common_train_args(cfg, data, seed, out))
     run = SystemRun(time.time(), bytes_before=launcher.lab.link_bytes())
     launcher.start(run, 0, f"s{seed}-single", [*argv, "--run.name=p0"], out / "p0/metrics.jsonl")
+    watch(run, cfg.target_loss, cfg.budget_s)
+    launcher.finish(run)
+    return run
+
+
+def run_ideal(
+    launcher: Launcher, cfg: ScalingBenchConfig, data: Path, seed: int, peers: int
+) -> SystemRun:
+    """One process with `peers` times the batch and the CPU quota, and as many compute threads
+    as the machine has cores up to `peers`: the peers' combined batch every step at no cost."""
+    system = f"ideal_{peers}"
+    out = launcher.work / f"seed{seed}" / system
+    argv = python_argv("atomtrain.cli.main", *common_train_args(cfg, data, seed, out, peers))
+    threads = str(max(1, min(peers, os.cpu_count() or 1)))
+    run = SystemRun(time.time(), bytes_before=launcher.lab.link_bytes())
+    launcher.start(
+        run,
+        0,
+        f"s{seed}-{system}",
+        [*argv, "--run.name=p0"],
+        out / "p0/metrics.jsonl",
+        cores=peers * cfg.cpu_per_peer,
+        OMP_NUM_THREADS=threads,
+    )
     watch(run, cfg.target_loss, cfg.budget_s)
     launcher.finish(run)
     return run
@@ -254,6 +293,9 @@ def run_scaling_bench(
         launcher = Launcher(lab, quotas, out_dir.resolve(), env)
         for seed in range(cfg.seeds):
             _record(runs, "single", run_single(launcher, cfg, shards.root, seed), progress, seed)
+            for n in cfg.peers if cfg.ceiling else ():
+                run = run_ideal(launcher, cfg, shards.root, seed, n)
+                _record(runs, f"ideal_{n}", run, progress, seed)
             for n in cfg.peers:
                 run = run_swarm(launcher, cfg, shards.root, seed, n, f"atom_{n}")
                 _record(runs, f"atom_{n}", run, progress, seed)

@@ -89,13 +89,20 @@ class Launcher:
     env: dict[str, str] = field(default_factory=dict)
 
     def start(
-        self, run: SystemRun, host: int, name: str, argv: list[str], metrics: Path, **env: str
+        self,
+        run: SystemRun,
+        host: int,
+        name: str,
+        argv: list[str],
+        metrics: Path,
+        cores: float | None = None,
+        **env: str,
     ) -> Proc:
         log = self.work / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "w") as out:
             popen = subprocess.Popen(
-                self.quotas.wrap(name, self.lab.argv(host, argv)),
+                self.quotas.wrap(name, self.lab.argv(host, argv), cores),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -148,7 +148,8 @@ def ratio(slow: float | None, fast: float | None) -> float | None:
 def report(runs: dict[str, list[SystemRun]], cfg: Any, largest: int, config: dict) -> dict:
     target = cfg.target_loss
     systems: dict[str, dict[str, Any]] = {}
-    for name in ["single", *(f"atom_{n}" for n in cfg.peers), "sync_diloco"]:
+    ideal = [f"ideal_{n}" for n in cfg.peers if f"ideal_{n}" in runs]
+    for name in ["single", *ideal, *(f"atom_{n}" for n in cfg.peers), "sync_diloco"]:
         seeds = [swarm_seed(r, target) for r in runs.get(name, [])]
         systems[name] = {**spread([s["time_s"] for s in seeds]), "per_seed": seeds}
         for key in (
@@ -177,6 +178,11 @@ def report(runs: dict[str, list[SystemRun]], cfg: Any, largest: int, config: dic
     }
     for n in cfg.peers:
         out[f"speedup_{n}"] = ratio(single, systems[f"atom_{n}"]["median_s"])
+    for n in cfg.peers:  # what any data-parallel system of n peers could reach at best
+        if f"ideal_{n}" in systems:
+            seeds = systems[f"ideal_{n}"]["per_seed"]
+            out[f"ceiling_{n}"] = ratio(single, systems[f"ideal_{n}"]["median_s"])
+            out[f"step_ceiling_{n}"] = ratio(single_steps, median_of(seeds, "steps_to_target"))
     for name in ("ddp", "pipeline", "sync_diloco"):
         out[f"speedup_vs_{name}"] = ratio(systems[name]["median_s"], big["median_s"])
     out["speedups_vs_ddp_pipeline_are_lower_bounds"] = any(
@@ -196,7 +202,10 @@ def report(runs: dict[str, list[SystemRun]], cfg: Any, largest: int, config: dic
         "its p2p daemon's sockets and their headers: wire.py, where the status table's Mb/s "
         "and round MB come from) over the bytes its link carried both ways; a swarm reaches "
         "the target when every peer has validated at or below it; all times from the launch "
-        "of a system's first process"
+        "of a system's first process; ceiling_N: time of single / of ideal_N (one process with "
+        "N times the batch and the CPU quota: N peers' batches combined every step for free), "
+        "step_ceiling_N: single's steps to the target / ideal_N's, the steps N peers' data saves "
+        "when combined exactly every step"
     )
     out["systems"] = systems
     out["config"] = config

@@ -119,6 +119,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--baseline-budget-s", type=float, default=0.0, help="budget of DDP, pipeline")
     s.add_argument("--sync-every", default="", help="the peers' --peer.sync_every (auto or N)")
     s.add_argument("--compression", default="", help="the peers' --peer.compression")
+    s.add_argument(
+        "--no-ceiling",
+        action="store_true",
+        help="skip ideal_N (one process with N times the batch and CPU: the data-parallel ceiling)",
+    )
     s.add_argument("--out-dir", default="runs/bench-scaling", help="where the runs go")
     s.set_defaults(func=run_scaling)
 
@@ -302,6 +307,8 @@ def run_scaling(args: argparse.Namespace, _extra: list[str]) -> int:
         "compression": args.compression,
     }
     cfg = replace(cfg, **{k: v for k, v in given.items() if v})
+    if args.no_ceiling:
+        cfg = replace(cfg, ceiling=False)
 
     def progress(line: str) -> None:
         print(f"[bench scaling] {line}", file=sys.stderr, flush=True)
