@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from atomtrain.bench.cgroup import CPU_ROOT
 from atomtrain.bench.scaling_launch import Proc, SystemRun, Tail
@@ -194,3 +195,92 @@ def test_the_ceiling_is_the_single_peer_time_and_steps_over_the_ideal_ones(tmp_p
     assert out["systems"]["ideal_2"]["per_seed"][0]["steps_to_target"] == 1000
     del runs["ideal_2"]  # --no-ceiling
     assert "ceiling_2" not in report(runs, cfg, 2, config={})
+
+
+def test_every_system_validates_on_the_same_windows_whatever_its_batch(
+    prepared: Path, tmp_path: Path
+):
+    from atomtrain.config import load_run_config
+    from atomtrain.errors import AtomError
+    from atomtrain.train.config import TrainConfig
+    from atomtrain.train.session import open_session
+
+    from .conftest import TINY
+
+    def val_batches(*extra: str) -> list:
+        cfg = load_run_config(
+            overrides=[
+                *TINY, f"--data.prepared={prepared}", f"--run.out_dir={tmp_path}",
+                f"--run.name=r{len(list(tmp_path.iterdir()))}", *extra,
+            ]
+        )  # fmt: skip
+        session = open_session(cfg)
+        session.trainer.loader.close()
+        return session.trainer.val_batches
+
+    peer = val_batches()  # data.rows 8
+    ideal = val_batches("--data.rows=16", "--train.micro_batch_rows=16", "--train.eval_rows=8")
+    larger = val_batches("--data.rows=16", "--train.micro_batch_rows=16")
+    assert len(peer) == len(ideal) == 2
+    for (x, y), (xi, yi) in zip(peer, ideal, strict=True):
+        assert torch.equal(x, xi) and torch.equal(y, yi)
+    assert larger[0][0].shape[0] == 16  # without eval_rows: the run's own batch size
+    with pytest.raises(AtomError, match="eval_rows"):
+        TrainConfig(eval_rows=-1)
+
+
+def test_the_ideal_process_is_launched_with_the_combined_batch_quota_and_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from dataclasses import replace
+
+    from atomtrain.bench import scaling
+    from atomtrain.bench.scaling import ScalingBenchConfig, run_ideal
+    from atomtrain.errors import AtomError
+
+    started = []
+
+    class Lab:
+        def link_bytes(self) -> list:
+            return []
+
+    class FakeLauncher:
+        lab, work = Lab(), tmp_path
+
+        def start(self, run, host, name, argv, metrics, cores=None, **env):
+            started.append((host, name, argv, cores, env))
+
+        def finish(self, run) -> None:
+            pass
+
+    monkeypatch.setattr(scaling, "watch", lambda run, target, budget: None)
+    monkeypatch.setattr(scaling.os, "sched_getaffinity", lambda pid: {0, 1})
+    cfg = ScalingBenchConfig()
+    for n, threads in ((2, "1"), (4, "2"), (8, "2")):  # whole cores of the quota, at most 2
+        run_ideal(FakeLauncher(), cfg, tmp_path, 0, n)  # type: ignore[arg-type]
+        _, name, argv, cores, env = started[-1]
+        assert name == f"s0-ideal_{n}" and cores == n * cfg.cpu_per_peer
+        assert env == {"OMP_NUM_THREADS": threads}
+        assert f"--data.rows={n * cfg.rows}" in argv and f"--train.eval_rows={cfg.rows}" in argv
+    assert scaling.check(replace(cfg, peers=(2, 4))) is None
+    with pytest.raises(AtomError, match="distinct"):
+        scaling.check(replace(cfg, peers=(2, 2)))
+
+
+def test_no_ceiling_turns_the_ideal_systems_off(monkeypatch: pytest.MonkeyPatch):
+    import argparse
+
+    from atomtrain.bench import cgroup, netlab, scaling
+    from atomtrain.cli import bench_cmd
+
+    seen = []
+    monkeypatch.setattr(cgroup, "require_cpu_cgroups", lambda: None)
+    monkeypatch.setattr(netlab, "require_root_and_tools", lambda: None)
+    monkeypatch.setattr(scaling, "run_scaling_bench", lambda cfg, out, progress: seen.append(cfg))
+    parser = argparse.ArgumentParser()
+    bench_cmd.register(parser.add_subparsers())
+    for flags, ceiling in (([], True), (["--no-ceiling"], False)):
+        args, extra = parser.parse_known_args(["bench", "scaling", "--json", *flags])
+        monkeypatch.setattr(bench_cmd, "_emit", lambda result, as_json: None)
+        assert args.func(args, extra) == 0
+        assert seen[-1].ceiling is ceiling

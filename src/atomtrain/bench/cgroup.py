@@ -1,5 +1,5 @@
 """Equal compute for every process a benchmark compares: one cgroup v1 `cpu` group per process,
-each capped at the same number of cores with a CFS quota.
+each capped with a CFS quota (the same number of cores unless a group asks for its own).
 
     with CpuQuotas(cores=0.45) as quotas:
         argv = quotas.wrap("peer0", ["python", "-m", "..."])   # joins its group, then execs
@@ -58,11 +58,13 @@ class CpuQuotas:
         quota every group gets)."""
         if name in self.groups:
             return self.groups[name]
+        quota = self.cores if cores is None else cores
+        if not quota > 0:
+            raise AtomError(f"a CPU quota must be > 0 cores, got {quota}")
         path = self.root / f"{self.tag}-{name}"
         path.mkdir()
         self.groups[name] = path
         (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        quota = self.cores if cores is None else cores
         (path / "cpu.cfs_quota_us").write_text(str(int(quota * PERIOD_US)))
         return path
 

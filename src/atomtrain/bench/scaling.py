@@ -13,19 +13,22 @@ loss fixed in advance (`target_loss`, the same for every system and seed):
   staleness and no helper processes: what a data-parallel swarm approaches from below as its
   rounds get cheaper, more frequent and fresher. `ceiling_N` (time of `single` / of `ideal_N`)
   and `step_ceiling_N` (single's steps to the target / ideal_N's) say how much N peers' data
-  can give on this workload at all;
+  gives on this workload with the same hyperparameters (the learning rate is the peers'; the
+  steps are counted at the validation interval);
 - `ddp` (float16 gradients all-reduced every step) and `pipeline` (N stages, GPipe) over gloo,
   run once for a short budget: unless they reach the target, they are credited with a lower
   bound, their start-up plus the single peer's steps to target / N times their seconds per step.
 
-Equal compute: every process (peer, worker, the single baseline) runs in its own cgroup capped
-at `cpu_per_peer` cores, joined before exec so start-up and helpers (hivemind's DHT, p2pd)
-count, and in its own network namespace behind `tc tbf` links of `bandwidth_mbit`.
+Equal compute: every process (peer, worker, the single baseline; `ideal_N` gets N shares) runs
+in its own cgroup capped at `cpu_per_peer` cores, joined before exec so start-up and helpers
+(hivemind's DHT, p2pd) count, and in its own network namespace behind `tc tbf` links of
+`bandwidth_mbit`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -106,8 +109,9 @@ class ScalingBenchConfig:
     (atom_2 at 07c3131, seeds 0 and 1): 119.5 and 132.8 s plain, 181.1 and 240.0 s with
     Nesterov (0.7, 0.9), 1300 and 1950 steps against 1050 and 1150."""
     ceiling: bool = True
-    """Also run `ideal_N` for every swarm size: what any data-parallel system of N peers could
-    reach at best on this workload (the module docstring)."""
+    """Also run `ideal_N` for every swarm size: what data parallelism over N peers gives on this
+    workload with the same hyperparameters when its communication is free (the module
+    docstring)."""
     matchmaking_s: float = 1.0
     """Time a round waits to gather its group: peers on one switch find each other fast."""
 
@@ -144,6 +148,7 @@ def common_train_args(
         "--train.steps=1000000",
         f"--train.eval_interval={cfg.eval_interval}",
         f"--train.eval_batches={cfg.eval_batches}",
+        f"--train.eval_rows={cfg.rows}",  # every system validates on the same windows
         "--train.warmup_steps=10",
         f"--train.lr={cfg.lr}",
         f"--train.min_lr={cfg.lr}",  # a constant rate: no schedule tied to a step count
@@ -166,11 +171,14 @@ def run_ideal(
     launcher: Launcher, cfg: ScalingBenchConfig, data: Path, seed: int, peers: int
 ) -> SystemRun:
     """One process with `peers` times the batch and the CPU quota, and as many compute threads
-    as the machine has cores up to `peers`: the peers' combined batch every step at no cost."""
+    as that quota has whole cores (one thread in 0.9 cores: a second would only share them),
+    at most the cores this process may run on: the peers' combined batch every step at no
+    cost. Its start-up runs at the larger quota too (a few seconds of its time)."""
     system = f"ideal_{peers}"
     out = launcher.work / f"seed{seed}" / system
     argv = python_argv("atomtrain.cli.main", *common_train_args(cfg, data, seed, out, peers))
-    threads = str(max(1, min(peers, os.cpu_count() or 1)))
+    cores = peers * cfg.cpu_per_peer
+    threads = str(max(1, min(math.ceil(cores - 1e-9), len(os.sched_getaffinity(0)))))
     run = SystemRun(time.time(), bytes_before=launcher.lab.link_bytes())
     launcher.start(
         run,
@@ -178,7 +186,7 @@ def run_ideal(
         f"s{seed}-{system}",
         [*argv, "--run.name=p0"],
         out / "p0/metrics.jsonl",
-        cores=peers * cfg.cpu_per_peer,
+        cores=cores,
         OMP_NUM_THREADS=threads,
     )
     watch(run, cfg.target_loss, cfg.budget_s)
@@ -275,8 +283,8 @@ def run_baseline(
 
 
 def check(cfg: ScalingBenchConfig) -> None:
-    if not cfg.peers or min(cfg.peers) < 2:
-        raise AtomError(f"peers: swarm sizes must be 2 or more, got {cfg.peers}")
+    if not cfg.peers or min(cfg.peers) < 2 or len(set(cfg.peers)) != len(cfg.peers):
+        raise AtomError(f"peers: distinct swarm sizes of 2 or more, got {cfg.peers}")
     if cfg.seeds < 1 or cfg.budget_s <= 0 or cfg.baseline_budget_s <= 0:
         raise AtomError("seeds must be >= 1 and budget_s, baseline_budget_s > 0")
 

@@ -106,7 +106,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     s = bsub.add_parser(
         "scaling",
-        help="1, 2 and 4 peers against one peer, synchronous DiLoCo, DDP and the pipeline",
+        help="2 and 4 peers against one peer, their data-parallel ceiling, synchronous DiLoCo, "
+        "DDP and the pipeline",
     )
     s.add_argument("--json", action="store_true", help="print only the JSON result")
     s.add_argument("--quick", action="store_true", help="tiny model, one seed, two peers")

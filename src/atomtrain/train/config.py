@@ -27,6 +27,9 @@ class TrainConfig:
     """Steps between validation losses (the last step is always evaluated)."""
     eval_batches: int = 4
     """Validation batches averaged for each validation loss."""
+    eval_rows: int = 0
+    """Sequences per validation batch (0: `data.rows`). Runs that train on different batch
+    sizes validate on the same windows when they set the same `eval_rows`."""
     checkpoint_interval: int = 200
     """Steps between checkpoints (the last step always writes one)."""
     keep_checkpoints: int = 2
@@ -51,8 +54,10 @@ class TrainConfig:
                 f"train.lr must be positive and train.min_lr in [0, lr], "
                 f"got lr={self.lr}, min_lr={self.min_lr}"
             )
-        if self.warmup_steps < 0 or self.grad_clip < 0:
-            raise AtomError("train.warmup_steps and train.grad_clip must not be negative")
+        if self.warmup_steps < 0 or self.grad_clip < 0 or self.eval_rows < 0:
+            raise AtomError(
+                "train.warmup_steps, train.grad_clip and train.eval_rows must not be negative"
+            )
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -10,7 +10,7 @@ import shutil
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -321,6 +321,12 @@ def open_session(
         num_peers=num_peers,
     )
     sampler = WindowSampler(shards, loader_cfg)
+    val_rows = cfg.train.eval_rows or cfg.data.rows
+    val_sampler = (
+        sampler
+        if val_rows == cfg.data.rows
+        else WindowSampler(shards, replace(loader_cfg, rows=val_rows))
+    )
     loader: TrainLoader | EchoingLoader = (
         streaming_loader(cfg, shards, index, num_peers)
         if cfg.data.input == "stream"
@@ -362,7 +368,7 @@ def open_session(
     trainer = Trainer(
         runner=runner,
         loader=loader,
-        val_batches=validation_batches(sampler, cfg.train.eval_batches),
+        val_batches=validation_batches(val_sampler, cfg.train.eval_batches),
         cfg=cfg.train,
         run_dir=run_dir,
         state=state,
