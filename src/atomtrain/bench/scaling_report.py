@@ -178,7 +178,7 @@ def report(runs: dict[str, list[SystemRun]], cfg: Any, largest: int, config: dic
     }
     for n in cfg.peers:
         out[f"speedup_{n}"] = ratio(single, systems[f"atom_{n}"]["median_s"])
-    for n in cfg.peers:  # what any data-parallel system of n peers could reach at best
+    for n in cfg.peers:  # the data-parallel ceiling with the same settings (scaling.py)
         if f"ideal_{n}" in systems:
             seeds = systems[f"ideal_{n}"]["per_seed"]
             out[f"ceiling_{n}"] = ratio(single, systems[f"ideal_{n}"]["median_s"])
