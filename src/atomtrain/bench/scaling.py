@@ -158,13 +158,7 @@ def common_train_args(
 
 
 def run_single(launcher: Launcher, cfg: ScalingBenchConfig, data: Path, seed: int) -> SystemRun:
-    out = launcher.work / f"seed{seed}" / "single"
-    argv = python_argv("atomtrain.cli.main", *common_train_args(cfg, data, seed, out))
-    run = SystemRun(time.time(), bytes_before=launcher.lab.link_bytes())
-    launcher.start(run, 0, f"s{seed}-single", [*argv, "--run.name=p0"], out / "p0/metrics.jsonl")
-    watch(run, cfg.target_loss, cfg.budget_s)
-    launcher.finish(run)
-    return run
+    return _run_one_process(launcher, cfg, data, seed, "single")
 
 
 def run_ideal(
@@ -174,11 +168,26 @@ def run_ideal(
     as that quota has whole cores (one thread in 0.9 cores: a second would only share them),
     at most the cores this process may run on: the peers' combined batch every step at no
     cost. Its start-up runs at the larger quota too (a few seconds of its time)."""
-    system = f"ideal_{peers}"
-    out = launcher.work / f"seed{seed}" / system
-    argv = python_argv("atomtrain.cli.main", *common_train_args(cfg, data, seed, out, peers))
     cores = peers * cfg.cpu_per_peer
     threads = str(max(1, min(math.ceil(cores - 1e-9), len(os.sched_getaffinity(0)))))
+    return _run_one_process(
+        launcher, cfg, data, seed, f"ideal_{peers}", peers, cores, OMP_NUM_THREADS=threads
+    )
+
+
+def _run_one_process(
+    launcher: Launcher,
+    cfg: ScalingBenchConfig,
+    data: Path,
+    seed: int,
+    system: str,
+    batches: int = 1,
+    cores: float | None = None,
+    **env: str,
+) -> SystemRun:
+    """A system of one `atomtrain train` (no swarm), timed from its launch to the target."""
+    out = launcher.work / f"seed{seed}" / system
+    argv = python_argv("atomtrain.cli.main", *common_train_args(cfg, data, seed, out, batches))
     run = SystemRun(time.time(), bytes_before=launcher.lab.link_bytes())
     launcher.start(
         run,
@@ -187,7 +196,7 @@ def run_ideal(
         [*argv, "--run.name=p0"],
         out / "p0/metrics.jsonl",
         cores=cores,
-        OMP_NUM_THREADS=threads,
+        **env,
     )
     watch(run, cfg.target_loss, cfg.budget_s)
     launcher.finish(run)
