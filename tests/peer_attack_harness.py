@@ -71,15 +71,24 @@ def barrier(work: Path, name: str, index: int) -> None:
 
 TIMEOUT_S = 8.0
 """The averagers' round timeout; hivemind's sender timeout is a third of it, the reducer's two
-thirds. `late` runs with twice as long, so that its margins hold on a loaded machine."""
+thirds. `late` runs with twice as long, so that its margins hold on a loaded machine; `stall`
+with 1.5 times (STALL_TIMEOUT_S)."""
+STALL_TIMEOUT_S = 12.0
+"""`stall`'s round timeout. The all-reduce's timeout counts from the group's assembly, its
+sender and reducer timeouts from the all-reduce's start: at 8 s, on a loaded machine the first
+round's setup (certificates fetched into a cold cache) took 3-5 s, the round's timeout cut the
+all-reduce before the staller's sender timeout passed, and the staller, unnamed, stalled the
+next round too (CI, 2026-12-03)."""
+STALL_FROZEN_S = STALL_TIMEOUT_S + 2.0
+"""How long `stall`'s averager is frozen once in a group: past the round's timeout."""
 SLOW_START_S = 7.0
 """How late `late` starts its all-reduce: 1.7 s past its sender timeout (16 s / 3), 3.7 s short
 of its reducer timeout (twice that)."""
 
 
-def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float = 10.0) -> bool:
-    """Join a group, then go silent: the averager's process frozen for `frozen_s` (past the
-    round's timeout by default). False: it found no group, and so froze nothing."""
+def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float) -> bool:
+    """Join a group, then go silent: the averager's process frozen for `frozen_s`. False: it
+    found no group, and so froze nothing."""
     avg.start(
         lambda piece, out: out.copy_(delta[piece.offset : piece.offset + piece.numel]),
         1.0,
@@ -156,7 +165,7 @@ def main() -> None:
         cut_pieces({"w": NUMEL}),
         "none",
         2.0,
-        2 * TIMEOUT_S if attack == "late" else TIMEOUT_S,
+        {"late": 2 * TIMEOUT_S, "stall": STALL_TIMEOUT_S}.get(attack, TIMEOUT_S),
         8,
         lambda: ({}, []),
         gate,
@@ -179,7 +188,7 @@ def main() -> None:
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
         if index == 2 and attack in ("stall", "late"):
-            if stalled_round(avg, delta, 10.0 if attack == "stall" else SLOW_START_S):
+            if stalled_round(avg, delta, STALL_FROZEN_S if attack == "stall" else SLOW_START_S):
                 (work / f"froze{r}").touch()  # in a group: the round it was meant to slow
             continue
         try:
