@@ -30,6 +30,7 @@ from atomtrain.peer.auth import (
 )
 from atomtrain.peer.averaging import (
     FORGIVE_ROUNDS,
+    OPPOSED_ROUNDS,
     GuardedAverager,
     ProbedAverager,
     exclusion_rounds,
@@ -699,6 +700,57 @@ def test_the_reducer_drops_bad_parts_and_clips_outliers():
     assert float((avg - (own + honest + third) / 3).norm()) < 0.5 * tau  # far moved it little
     avg, rejected = reduce_one_part({0: own, 1: honest, 2: torch.zeros(7)})
     assert torch.allclose(avg, (own + honest) / 2) and [i for i, _ in rejected] == [2]
+
+
+def test_the_reducer_measures_how_each_members_update_agrees_with_its_own():
+    """Over the update parts of its span (in-sync, finite ones), the cosine of each other
+    member's part with the reducer's own: a sign flip reads -1, whatever its size or the
+    clipping; probes and members out of sync are not measured."""
+    from atomtrain.peer.robust import PROBE, RobustReducer
+
+    g = torch.Generator().manual_seed(8)
+    own, noise = torch.randn(2, 100, generator=g), torch.randn(2, 100, generator=g)
+
+    async def measure() -> dict[int, float]:
+        reducer = RobustReducer(
+            [torch.Size([100])] * 3, ["delta", "delta", PROBE], [1.0] * 4, 0, Defence(),
+            [False] * 4, lambda i, why: None, [True, True, True, False],
+        )  # fmt: skip
+        for part in range(3):
+            x = own[min(part, 1)]
+            reducer.current_part_index = part
+            reducer.parts = {0: x, 1: x + 0.1 * noise[min(part, 1)], 2: -3 * x, 3: -x}
+            if part == 2:  # a probe: equal everywhere but the flipper's, and not measured
+                reducer.parts = {i: torch.ones(100) * (-1 if i == 2 else 1) for i in range(4)}
+            reducer._combine()
+        return reducer.cosines()
+
+    cos = asyncio.run(measure())
+    assert set(cos) == {1, 2}  # 3 is out of sync
+    assert cos[1] > 0.99 and abs(cos[2] + 1) < 1e-9
+
+
+def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
+    """OPPOSED_ROUNDS rounds running with its update's cosine to this peer's below
+    OPPOSED_COSINE leave a member out (as a staller, named once); an agreeing round in between
+    starts the count again, and an honest member's weak agreement (about 0) never counts."""
+    named: list[tuple[str, str]] = []
+
+    class Peer(str):
+        def to_base58(self) -> str:
+            return str(self)
+
+    fake = SimpleNamespace(_opposed={}, _stalled={})
+    fake._stall = lambda peer, why: named.append((peer, why))
+    flipper, honest = Peer("flipper"), Peer("honest")
+    for cos in [-0.6, 0.5, -0.6, 0.0, -0.01, 0.05, -0.2]:  # never twice running below -0.3
+        GuardedAverager._agreement(fake, flipper, cos)
+        GuardedAverager._agreement(fake, honest, abs(cos) - 0.2)
+    assert not named
+    for _ in range(OPPOSED_ROUNDS):
+        GuardedAverager._agreement(fake, flipper, -0.5)
+    assert [peer for peer, _ in named] == ["flipper"] and "opposite" in named[0][1]
+    assert not fake._opposed  # counted afresh after it is let back in
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

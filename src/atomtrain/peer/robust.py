@@ -31,6 +31,11 @@ one that had just caught up sent 32 clipping bounds). Beyond `ban` (10^4 bounds)
 elements (see averaging.py) are averaged as they are, with the same weights, so every member can
 still tell a fully averaged round from a partial one.
 
+Each reducer also measures, over the update parts of its span, how each other member's part
+agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member whose update points
+against this one's round after round is left out for a while (averaging.py, OPPOSED_COSINE),
+though clipping already bounds what it moves each round.
+
 A reducer can lie too: every member checks the averaged parts it receives. With three or more
 members in sync (reducer_bounds), within `reduced` times a typical update and its own part of
 its own values; with fewer, no larger than `PAIR_SLACK` times its own part (a member in sync:
@@ -224,6 +229,8 @@ class RobustReducer(TensorPartReducer):
         self.on_combined: Callable[[int, list[int]], None] | None = None
         # a sender whose part is only far too large: left out for a while, not banned
         self.on_doubt: Callable[[int, str], None] = on_reject
+        # per sender, over this round's update parts: (its part . ours, |its part|^2, |ours|^2)
+        self.agreement: dict[int, list[float]] = {}
         super().__init__(part_shapes, len(weights))
 
     def reset_accumulators(self) -> None:
@@ -282,6 +289,8 @@ class RobustReducer(TensorPartReducer):
             candidates[i] = x
         if not candidates:
             return torch.zeros(shape)
+        if kind == DELTA:
+            self._measure_agreement(candidates)
         numel = max(int(torch.Size(shape).numel()), 1)
         # without a majority (fewer than three parts) no part is trusted more than another
         few = len(candidates) < 3 and math.isfinite(self.defence.clip)
@@ -326,6 +335,24 @@ class RobustReducer(TensorPartReducer):
         if self.lie and kind == DELTA:  # bench attack only
             average += lie_direction(shape, self.current_part_index) * (self.lie * typical)
         return average
+
+    def _measure_agreement(self, parts: dict[int, torch.Tensor]) -> None:
+        """Add each other sender's part, against this reducer's own, to `agreement`."""
+        own = parts.get(self.own_sender)
+        if own is None:
+            return
+        own2 = float(own.double().pow(2).sum())
+        for i, x in parts.items():
+            if i != self.own_sender:
+                sums = self.agreement.setdefault(i, [0.0, 0.0, 0.0])
+                sums[0] += float(torch.dot(x.double().flatten(), own.double().flatten()))
+                sums[1] += float(x.double().pow(2).sum())
+                sums[2] += own2
+
+    def cosines(self) -> dict[int, float]:
+        """Per sender, the cosine of its update parts of this span with this reducer's own."""
+        sums = self.agreement.items()
+        return {i: dot / math.sqrt(a * b) for i, (dot, a, b) in sums if a > 0 and b > 0}
 
     def _radius(self, parts: dict[int, torch.Tensor], numel: int) -> tuple[float, torch.Tensor]:
         """(clipping radius, center) measured from the parts."""
@@ -383,6 +410,7 @@ class RobustRunner(ExactAverageRunner):
         defence: Defence,
         on_reject: Callable[[PeerID, str], None],
         on_doubt: Callable[[PeerID, str], None] | None = None,
+        on_agreement: Callable[[PeerID, float], None] | None = None,
         lie: float = 0.0,
         **kwargs,
     ) -> None:
@@ -390,6 +418,7 @@ class RobustRunner(ExactAverageRunner):
         self.defence = defence
         self._on_reject = on_reject
         self._on_doubt = on_doubt or (lambda peer_id, why: None)
+        self._on_agreement = on_agreement
         own_index = self.ordered_peer_ids.index(self.peer_id)
         own_parts = self.tensor_part_container._input_parts_by_peer[own_index]
         part_kinds = [kinds[info.key] for _, info in own_parts]
@@ -437,6 +466,15 @@ class RobustRunner(ExactAverageRunner):
             register(peer_index, part_index, average)
 
         self.tensor_part_container.register_processed_part = checked
+
+    def finalize(self, **kwargs) -> None:
+        """A round that ran to its end tells how each other member's update agreed with ours
+        (on_agreement)."""
+        if self._on_agreement is not None and not self._future.done() and not kwargs:
+            senders = self.sender_peer_ids
+            for i, cosine in self.tensor_part_reducer.cosines().items():
+                self._on_agreement(senders[i], cosine)
+        super().finalize(**kwargs)
 
     def replay_reducer(self, peer_index: int) -> RobustReducer:
         """A reducer for the span of the member at `peer_index`, as that member's own (its part
