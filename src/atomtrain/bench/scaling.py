@@ -83,6 +83,9 @@ class ScalingBenchConfig:
     rows: int = 8
     seq_len: int = 64
     lr: float = 2e-3
+    """Every system's learning rate, constant (min_lr the same). Checked against the neighbours
+    a user would try (seed 0, 2ffade1): at 1.41e-3 the single peer needed 1200 steps, as at
+    2e-3, and atom_2 1100 (1050 at 2e-3); at 2.83e-3 (decaying to 2e-3) atom_2 needed 1700."""
     eval_interval: int = 50
     """Steps between validations, for every system (about 7% of a peer's compute)."""
     eval_batches: int = 16
@@ -107,7 +110,9 @@ class ScalingBenchConfig:
     tuned for hundreds of steps, in a simulation of 4 workers: loss 2.54 against 2.75 after 200
     steps at H = 10, 2.67 against 2.75 at H = 30 (the README has the table); and in this bench
     (atom_2 at 07c3131, seeds 0 and 1): 119.5 and 132.8 s plain, 181.1 and 240.0 s with
-    Nesterov (0.7, 0.9), 1300 and 1950 steps against 1050 and 1150."""
+    Nesterov (0.7, 0.9), 1300 and 1950 steps against 1050 and 1150. An outer learning rate of
+    sqrt(2) (extrapolating the average, as the square-root scaling rule would for twice the
+    batch; no momentum) did no better: 1050 and 1700 steps, 136.9 and 219.0 s (2ffade1)."""
     ceiling: bool = True
     """Also run `ideal_N` for every swarm size: what data parallelism over N peers gives on this
     workload with the same hyperparameters when its communication is free (the module
