@@ -30,7 +30,6 @@ from atomtrain.peer.auth import (
 )
 from atomtrain.peer.averaging import (
     FORGIVE_ROUNDS,
-    OPPOSED_ROUNDS,
     GuardedAverager,
     ProbedAverager,
     exclusion_rounds,
@@ -731,26 +730,39 @@ def test_the_reducer_measures_how_each_members_update_agrees_with_its_own():
 
 
 def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
-    """OPPOSED_ROUNDS rounds running with its update's cosine to this peer's below
-    OPPOSED_COSINE leave a member out (as a staller, named once); an agreeing round in between
-    starts the count again, and an honest member's weak agreement (about 0) never counts."""
+    """OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN rounds with the member's update's
+    cosine to this peer's below OPPOSED_COSINE leave it out (as a staller, named once), whether
+    or not it agreed in between; an honest member's weak agreement (about 0) never counts, nor
+    opposing rounds further apart, nor a member already left out or banned."""
     named: list[tuple[str, str]] = []
 
     class Peer(str):
         def to_base58(self) -> str:
             return str(self)
 
-    fake = SimpleNamespace(_opposed={}, _stalled={})
+    fake = SimpleNamespace(_opposed={}, _stalled={}, _rounds=0, _gate=SimpleNamespace(banned=set()))
+    fake._excluded = lambda peer: peer in fake._stalled
     fake._stall = lambda peer, why: named.append((peer, why))
-    flipper, honest = Peer("flipper"), Peer("honest")
-    for cos in [-0.6, 0.5, -0.6, 0.0, -0.01, 0.05, -0.2]:  # never twice running below -0.3
-        GuardedAverager._agreement(fake, flipper, cos)
-        GuardedAverager._agreement(fake, honest, abs(cos) - 0.2)
+    flipper, banned = Peer("flipper"), Peer("banned")
+    fake._gate.banned.add(banned)
+
+    def round_(**cosines: float) -> None:
+        fake._rounds += 1
+        for name, cos in cosines.items():
+            GuardedAverager._agreement(fake, Peer(name), cos)
+
+    for cos in [-0.6, 0.5, 0.5, 0.5, -0.6, 0.0, -0.01, 0.05, -0.2]:  # opposing 4 rounds apart
+        round_(flipper=cos, honest=abs(cos) - 0.2, banned=-0.9)
     assert not named
-    for _ in range(OPPOSED_ROUNDS):
-        GuardedAverager._agreement(fake, flipper, -0.5)
+    round_(flipper=-0.5)
+    round_(flipper=0.6)  # agreeing between: still counted
+    round_(flipper=-0.5)
     assert [peer for peer, _ in named] == ["flipper"] and "opposite" in named[0][1]
     assert not fake._opposed  # counted afresh after it is let back in
+    fake._stalled[flipper] = 3  # while it is left out, nothing more is counted against it
+    round_(flipper=-0.9)
+    round_(flipper=-0.9)
+    assert len(named) == 1 and not fake._opposed
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

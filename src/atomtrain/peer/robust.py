@@ -214,8 +214,10 @@ class RobustReducer(TensorPartReducer):
         on_reject: Callable[[int, str], None],
         in_sync: Sequence[bool] | None = None,
         lie: float = 0.0,
+        measure: bool = True,
     ) -> None:
         self.part_kinds = list(part_kinds)
+        self.measure = measure  # agreement (an audit's replay judges no one: not measured)
         self.lie = lie  # bench attack only: lying_reducer (attack.py)
         self.weights = list(weights)
         self.own_sender = own_sender
@@ -289,8 +291,6 @@ class RobustReducer(TensorPartReducer):
             candidates[i] = x
         if not candidates:
             return torch.zeros(shape)
-        if kind == DELTA:
-            self._measure_agreement(candidates)
         numel = max(int(torch.Size(shape).numel()), 1)
         # without a majority (fewer than three parts) no part is trusted more than another
         few = len(candidates) < 3 and math.isfinite(self.defence.clip)
@@ -314,6 +314,8 @@ class RobustReducer(TensorPartReducer):
                     del candidates[i]
         if not candidates:
             return torch.zeros(shape)
+        if kind == DELTA and self.measure:  # after the drops: never against our dropped part
+            self._measure_agreement(candidates)
         typical = lower_median([float(x.norm()) for x in candidates.values()])
         if len(candidates) < 3 and math.isfinite(self.defence.clip):
             scale = self.defence.clip * max(typical, bound(self.defence.min_scale, numel, 1.0))
@@ -338,15 +340,18 @@ class RobustReducer(TensorPartReducer):
 
     def _measure_agreement(self, parts: dict[int, torch.Tensor]) -> None:
         """Add each other sender's part, against this reducer's own, to `agreement`."""
-        own = parts.get(self.own_sender)
-        if own is None:
+        if self.own_sender not in parts or len(parts) < 2:
             return
-        own2 = float(own.double().pow(2).sum())
-        for i, x in parts.items():
+        senders = list(parts)
+        stacked = torch.stack([parts[i].flatten() for i in senders]).double()
+        dots = (stacked @ stacked[senders.index(self.own_sender)]).tolist()
+        squares = stacked.pow(2).sum(dim=1).tolist()
+        own2 = squares[senders.index(self.own_sender)]
+        for i, dot, square in zip(senders, dots, squares, strict=True):
             if i != self.own_sender:
                 sums = self.agreement.setdefault(i, [0.0, 0.0, 0.0])
-                sums[0] += float(torch.dot(x.double().flatten(), own.double().flatten()))
-                sums[1] += float(x.double().pow(2).sum())
+                sums[0] += dot
+                sums[1] += square
                 sums[2] += own2
 
     def cosines(self) -> dict[int, float]:
@@ -489,6 +494,7 @@ class RobustRunner(ExactAverageRunner):
             [False] * len(self.sender_peer_ids),
             lambda i, why: None,
             self._in_sync,
+            measure=False,
         )
 
     def _check_reduced(self, peer_index: int, part_index: int, average: torch.Tensor) -> None:
