@@ -217,7 +217,7 @@ class RobustReducer(TensorPartReducer):
         measure: bool = True,
     ) -> None:
         self.part_kinds = list(part_kinds)
-        self.measure = measure  # agreement (an audit's replay judges no one: not measured)
+        self.measure = measure  # agreement (off where no one reads it: an audit's replay)
         self.lie = lie  # bench attack only: lying_reducer (attack.py)
         self.weights = list(weights)
         self.own_sender = own_sender
@@ -343,10 +343,11 @@ class RobustReducer(TensorPartReducer):
         if self.own_sender not in parts or len(parts) < 2:
             return
         senders = list(parts)
+        own = senders.index(self.own_sender)
         stacked = torch.stack([parts[i].flatten() for i in senders]).double()
-        dots = (stacked @ stacked[senders.index(self.own_sender)]).tolist()
+        dots = (stacked @ stacked[own]).tolist()
         squares = stacked.pow(2).sum(dim=1).tolist()
-        own2 = squares[senders.index(self.own_sender)]
+        own2 = squares[own]
         for i, dot, square in zip(senders, dots, squares, strict=True):
             if i != self.own_sender:
                 sums = self.agreement.setdefault(i, [0.0, 0.0, 0.0])
@@ -461,6 +462,7 @@ class RobustRunner(ExactAverageRunner):
             lambda i, why: on_reject(senders[i], why),
             self._in_sync,
             lie,
+            measure=on_agreement is not None,  # no one reads it: not measured
         )
         self.tensor_part_reducer.on_doubt = lambda i, why: self._on_doubt(senders[i], why)
         register = self.tensor_part_container.register_processed_part
