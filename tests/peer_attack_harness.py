@@ -34,8 +34,8 @@ from atomtrain.peer import audit, averaging
 from atomtrain.peer.attack import claimed_tokens, poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
+from atomtrain.peer.bounds import Defence
 from atomtrain.peer.layout import cut_pieces
-from atomtrain.peer.robust import Defence
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_round_harness import averaged_round

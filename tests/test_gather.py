@@ -13,9 +13,9 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer as Serializer
 
 from atomtrain.peer.averaging import FORGED, MALFORMED, UNVERIFIED, GuardedAverager
+from atomtrain.peer.bounds import Defence
 from atomtrain.peer.certs import peer_id_of
 from atomtrain.peer.gather import check, seal, unseal
-from atomtrain.peer.robust import Defence
 
 PREFIX = "s_avg"
 AT = 1000.0  # the round's scheduled time, DHT seconds

@@ -35,9 +35,9 @@ from atomtrain.peer.averaging import (
     exclusion_rounds,
     stalls_remembered,
 )
+from atomtrain.peer.bounds import Defence, equal_weights
 from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.protocol import averaging_prefix, protocol_tag
-from atomtrain.peer.robust import Defence, equal_weights
 from atomtrain.peer.traffic import Traffic
 
 from .peer_attack_harness import honest_mean
@@ -301,7 +301,7 @@ def test_a_reducers_averages_are_checked_as_tightly_as_its_rule_allows():
     that bound, for a member whose update is of typical size, an average 7 typical updates away
     passes and 9 does not. Fewer in sync: no larger than the member's own part (with the codec's
     slack), whatever anyone reported."""
-    from atomtrain.peer.robust import (
+    from atomtrain.peer.bounds import (
         PAIR_SLACK,
         Defence,
         reducer_bounds,
@@ -705,7 +705,8 @@ def test_the_reducer_measures_how_each_members_update_agrees_with_its_own():
     """Over the update parts of its span (in-sync, finite ones), the cosine of each other
     member's part with the reducer's own: a sign flip reads -1, whatever its size or the
     clipping; probes and members out of sync are not measured."""
-    from atomtrain.peer.robust import PROBE, RobustReducer
+    from atomtrain.peer.bounds import PROBE
+    from atomtrain.peer.robust import RobustReducer
 
     g = torch.Generator().manual_seed(8)
     own, noise = torch.randn(2, 100, generator=g), torch.randn(2, 100, generator=g)
@@ -795,7 +796,7 @@ def test_no_honest_reducer_is_taken_for_a_liar_when_members_have_just_joined():
     reduces, every other member finds what it returns within 1.5 of the 4 (typical update + own
     part) that the check allows: honest averages sit well inside the bound. Of two, an average
     is no larger than either member's part (the check's slack left for the codec)."""
-    from atomtrain.peer.robust import (
+    from atomtrain.peer.bounds import (
         PAIR_SLACK,
         Defence,
         Typical,
@@ -879,7 +880,7 @@ def test_of_two_a_member_that_flips_and_inflates_its_update_cancels_a_round_neve
     receives passes its check. Centered on its own part, the attacker used to return about
     -k/2 u (-10 u here), inside the loose bound that centering needed, and the honest peer
     applied it: bench attack's sybil run went from loss 3.0 to 13 in one such round."""
-    from atomtrain.peer.robust import returned_pair_lie
+    from atomtrain.peer.bounds import returned_pair_lie
 
     g = torch.Generator().manual_seed(7)
     u = torch.randn(100, generator=g)
@@ -899,7 +900,7 @@ def test_of_two_a_member_just_resynchronized_takes_an_honest_average_above_its_o
     update, to which an honest reducer scales the parts: the average is about half the other's
     update, ten times its own. Checked against its own part alone, honest reducers were left out
     (bench attack's sybil run, 1.9x); against the floor too they pass, and a lie beyond fails."""
-    from atomtrain.peer.robust import bound, returned_pair_lie
+    from atomtrain.peer.bounds import bound, returned_pair_lie
 
     g = torch.Generator().manual_seed(8)
     u = torch.randn(100, generator=g)

@@ -54,7 +54,7 @@ SLANDER = 1.1
 """`lying_auditor` multiplies the projections it reports by this."""
 LIE_FRACTION = 0.75
 """A lying reducer moves its span's average by this share of what members accept from a reducer
-(robust.reducer_bounds, three or more members in sync: `factor` times a typical update and
+(bounds.reducer_bounds, three or more members in sync: `factor` times a typical update and
 their own part, about 2 * factor typical updates for a member whose update is typical), as a
 reducer that knows the check would."""
 
@@ -73,7 +73,7 @@ IPM_EPSILON = 0.1
 """Inner-product manipulation (Xie et al., 2020) sends -epsilon times the honest mean."""
 PUSH_SIZES = 15.0
 """A directed push moves the update this many of its own sizes in one fixed direction: inside
-the bound beyond which a reducer drops a part (robust.Defence.reject), so it is clipped, never
+the bound beyond which a reducer drops a part (bounds.Defence.reject), so it is clipped, never
 dropped."""
 INFLATED_TOKENS = 1e6
 """An inflating peer claims this many times the tokens it trained on (more weight, if weights

@@ -28,7 +28,7 @@ before anything is applied when a replay and the averages received differ), and 
 next rounds (`STALL_ROUNDS`, doubled at each repeat, one repeat forgiven every `FORGIVE_ROUNDS`
 quiet rounds) any member that stalled a round: one that joined the group and then sent nothing, or
 reduced nothing (exact.py tells which), or reduced its span to averages beyond what an honest
-reducer returns (robust.reducer_bounds, robust.PAIR_SLACK), or that an audit showed lying as a
+reducer returns (bounds.reducer_bounds, bounds.PAIR_SLACK), or that an audit showed lying as a
 reducer or an auditor, or whose update opposed this member's own in `OPPOSED_ROUNDS` of its last
 `OPPOSED_WITHIN` rounds (`OPPOSED_COSINE`). Counted in rounds rather than banned for good, since an
 honest peer frozen for a while (or cut off), or an honest reducer whose own update is tens of times
@@ -85,20 +85,20 @@ from atomtrain.errors import AtomError
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
-from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
-from atomtrain.peer.download import download_from
-from atomtrain.peer.exact import ExactAverageRunner
-from atomtrain.peer.gather import NO_KEY, check, seal, unseal
-from atomtrain.peer.layout import Piece
-from atomtrain.peer.robust import (
+from atomtrain.peer.bounds import (
     DELTA,
     MIN_WEIGHT,
     NO_DEFENCE,
     PROBE,
     Defence,
-    RobustRunner,
     equal_weights,
 )
+from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
+from atomtrain.peer.download import download_from
+from atomtrain.peer.exact import ExactAverageRunner
+from atomtrain.peer.gather import NO_KEY, check, seal, unseal
+from atomtrain.peer.layout import Piece
+from atomtrain.peer.robust import RobustRunner
 from atomtrain.peer.sync import in_sync_flags, lower_median
 from atomtrain.peer.traffic import (
     RECEIVED,

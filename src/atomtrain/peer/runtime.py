@@ -67,6 +67,7 @@ from atomtrain.peer.auth import (
     read_roster,
 )
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed, RoundResult
+from atomtrain.peer.bounds import Defence
 from atomtrain.peer.download import ZERO_MOMENTUM
 from atomtrain.peer.finish import Finisher
 from atomtrain.peer.hygiene import start_watchdog
@@ -74,7 +75,6 @@ from atomtrain.peer.layout import Sketcher, assign, cut_pieces, digest, flatten,
 from atomtrain.peer.outer import OuterNesterov
 from atomtrain.peer.protocol import averaging_prefix, describe, protocol_tag
 from atomtrain.peer.records import own_subkey, swarm_validators
-from atomtrain.peer.robust import Defence
 from atomtrain.peer.rounds import (
     Contribution,
     apply_outer_step,
