@@ -3,7 +3,8 @@
     python peer_attack_harness.py INDEX ATTACK DEFEND WORKDIR
 
 Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start each of three
-rounds together (file barriers) and save what each round gave them to WORKDIR/out{INDEX}.pt. With
+rounds together (file barriers; peer 2 stops looking for a group once both honest peers' round
+has ended) and save what each round gave them to WORKDIR/out{INDEX}.pt. With
 `inflate`, peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and
 claims a million times the others' tokens and a thousand times their update size. With `stall`,
 peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
@@ -24,6 +25,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -61,24 +64,64 @@ def honest_mean() -> torch.Tensor:
     return (vectors(0) + vectors(1)) / 2
 
 
+BARRIER_S = 120.0
+"""How long a peer waits for the others at a barrier: three processes importing torch and
+starting hivemind on 2 loaded cores took past 60 s once (CI)."""
+
+
 def barrier(work: Path, name: str, index: int) -> None:
     (work / f"{name}{index}").touch()
-    deadline = time.time() + 60
-    while not all((work / f"{name}{i}").exists() for i in range(PEERS)):
-        assert time.time() < deadline, f"barrier {name} timed out"
+    deadline = time.time() + BARRIER_S
+    while missing := [i for i in range(PEERS) if not (work / f"{name}{i}").exists()]:
+        assert time.time() < deadline, f"barrier {name}: peers {missing} never came"
         time.sleep(0.05)
+
+
+def honest_done(work: Path, r: int) -> bool:
+    """Both honest peers have ended round `r`."""
+    return all((work / f"done{r}_{i}").exists() for i in range(2))
+
+
+def attacker_round(
+    avg: ProbedAverager, delta: torch.Tensor, weight: float, rms_claim: float, work: Path, r: int
+) -> dict:
+    """Peer 2's round: as an honest one's, except that once both honest peers have ended theirs
+    it stops looking for a group (refused by peers that banned or left it out, it would go on
+    asking until its round's timeout, and the next round waits for it at the barrier). A round
+    that found its group runs to its end: only its matchmaking is cancelled."""
+
+    def write(piece, out):
+        out.copy_(delta[piece.offset : piece.offset + piece.numel])
+
+    rms = rms_claim or float(delta.pow(2).mean().sqrt())
+    info = {"name": "h2", "round": 0, "sketch": [0.0] * 64, "update_size": 1.0, "rms": rms}
+    avg.start(write, weight, lambda: info)
+    while not avg.done():
+        if honest_done(work, r) and not avg.group_found():
+            avg.cancel()
+            return {"failed": True, "why": "gave up: the honest peers' round had ended"}
+        time.sleep(0.05)
+    try:
+        avg.result()
+    except RoundFailed as e:
+        return {"failed": True, "why": str(e)}
+    return {"failed": False}
 
 
 TIMEOUT_S = 8.0
 """The averagers' round timeout; hivemind's sender timeout is a third of it, the reducer's two
 thirds. `late` runs with twice as long, so that its margins hold on a loaded machine; `stall`
-with 1.5 times (STALL_TIMEOUT_S)."""
+and `forge_gather` with 1.5 times (STALL_TIMEOUT_S, FORGE_TIMEOUT_S)."""
 STALL_TIMEOUT_S = 12.0
 """`stall`'s round timeout. The all-reduce's timeout counts from the group's assembly, its
 sender and reducer timeouts from the all-reduce's start: at 8 s, on a loaded machine the first
 round's setup (certificates fetched into a cold cache) took 3-5 s, the round's timeout cut the
 all-reduce before the staller's sender timeout passed, and the staller, unnamed, stalled the
 next round too (CI, 2026-12-03)."""
+FORGE_TIMEOUT_S = STALL_TIMEOUT_S
+"""`forge_gather`'s round timeout: its first round, the forger leading with cold certificate
+caches on 2 loaded cores, once found no group within 8 s (CI). Its rounds end early (the honest
+peers take part for the others), so the longer timeout costs nothing when nothing is slow."""
 STALL_FROZEN_S = STALL_TIMEOUT_S + 2.0
 """How long `stall`'s averager is frozen once in a group: past the round's timeout."""
 SLOW_START_S = 7.0
@@ -86,9 +129,12 @@ SLOW_START_S = 7.0
 of its reducer timeout (twice that)."""
 
 
-def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float) -> bool:
+def stalled_round(
+    avg: ProbedAverager, delta: torch.Tensor, frozen_s: float, honest_done: Callable[[], bool]
+) -> bool:
     """Join a group, then go silent: the averager's process frozen for `frozen_s`. False: it
-    found no group, and so froze nothing."""
+    found no group (left out by both honest peers, it stops looking once they have ended their
+    round), and so froze nothing."""
     avg.start(
         lambda piece, out: out.copy_(delta[piece.offset : piece.offset + piece.numel]),
         1.0,
@@ -102,6 +148,9 @@ def stalled_round(avg: ProbedAverager, delta: torch.Tensor, frozen_s: float) -> 
     )
     deadline = time.time() + 20
     while not avg.group_found() and not avg.done() and time.time() < deadline:
+        if honest_done():
+            avg.cancel()
+            return False
         time.sleep(0.01)
     froze = avg.group_found() and not avg.done()
     if froze:
@@ -165,7 +214,9 @@ def main() -> None:
         cut_pieces({"w": NUMEL}),
         "none",
         2.0,
-        {"late": 2 * TIMEOUT_S, "stall": STALL_TIMEOUT_S}.get(attack, TIMEOUT_S),
+        {"late": 2 * TIMEOUT_S, "stall": STALL_TIMEOUT_S, "forge_gather": FORGE_TIMEOUT_S}.get(
+            attack, TIMEOUT_S
+        ),
         8,
         lambda: ({}, []),
         gate,
@@ -188,8 +239,12 @@ def main() -> None:
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
         if index == 2 and attack in ("stall", "late"):
-            if stalled_round(avg, delta, STALL_FROZEN_S if attack == "stall" else SLOW_START_S):
+            frozen_s = STALL_FROZEN_S if attack == "stall" else SLOW_START_S
+            if stalled_round(avg, delta, frozen_s, partial(honest_done, work, r)):
                 (work / f"froze{r}").touch()  # in a group: the round it was meant to slow
+            continue
+        if index == 2:
+            rounds.append(attacker_round(avg, delta, weight, rms_claim, work, r))
             continue
         try:
             rounds.append(
@@ -197,6 +252,7 @@ def main() -> None:
             )
         except RoundFailed as e:
             rounds.append({"failed": True, "why": str(e)})
+        (work / f"done{r}_{index}").touch()
         rejected += avg.rejections()
         stalled += getattr(avg, "stalls", list)()
     if index < 2:

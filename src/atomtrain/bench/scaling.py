@@ -126,7 +126,7 @@ QUICK = ScalingBenchConfig(
     seeds=1,
     target_loss=3.0,
     budget_s=90.0,
-    baseline_budget_s=15.0,
+    baseline_budget_s=8.0,
     preset="tiny",
     eval_interval=20,
 )
