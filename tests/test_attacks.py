@@ -13,6 +13,7 @@ from atomtrain.peer.attack import (
     check_attack,
     poison,
 )
+from atomtrain.peer.averaging import OPPOSED_COSINE
 
 
 def honest() -> torch.Tensor:
@@ -86,7 +87,7 @@ def test_the_attack_report_compares_with_clean_and_counts_rounds_until_rejected(
         "alie": {"defended": [run([3.5, 3.5])], "undefended": [run([4.0, 4.0])]},
     }
     del clean[1].records[1][3]["round_s"]  # a round h1 did not apply (a log line all the same)
-    out = attack_report(clean, cases)
+    out = attack_report(clean, cases, OPPOSED_COSINE)
     assert out["clean_final_loss"]["median"] == pytest.approx(3.1)
     assert out["clean_rounds_applied"] == [5, 4, 5]  # the fewest an honest peer applied
     nan, alie = out["attacks"]
@@ -104,12 +105,12 @@ def test_the_attack_report_compares_with_clean_and_counts_rounds_until_rejected(
     stalled.records[0][2] = {"round": 3, "failed_round_s": 4.0}  # h0 failed two rounds
     stalled.records[0][4] = {"round": 5, "failed_round_s": 6.0}
     stalled.records[1][2] = {"round": 3, "failed_round_s": 11.0}  # h1 one
-    x = attack_report(clean, {"stall": {"defended": [stalled]}})["attacks"][0]
+    x = attack_report(clean, {"stall": {"defended": [stalled]}}, OPPOSED_COSINE)["attacks"][0]
     assert x["rounds_failed_defended"] == [2] and x["failed_round_s_defended"] == [6.0]
     honest_banned = run([3.1, 3.1], banned_after=0)
     honest_banned.records[0][0]["rejected_peers"] = ["h1"]
     assert (
-        attack_report(clean, {"x": {"defended": [honest_banned]}})["attacks"][0][
+        attack_report(clean, {"x": {"defended": [honest_banned]}}, OPPOSED_COSINE)["attacks"][0][
             "honest_peers_rejected"
         ]
         == 1
@@ -126,12 +127,33 @@ def test_the_attack_report_counts_exclusions_apart_from_bans():
             r["group"] = ["h0", "h1"]
         log[0]["group"] = ["h0", "h1"]  # its round 1 was discarded: not applied with it
         log[1]["stalled_peers"] = ["a"]
-    report = attack_report(clean, {"lying_reducer": {"defended": [liar]}})["attacks"][0]
+    report = attack_report(clean, {"lying_reducer": {"defended": [liar]}}, OPPOSED_COSINE)[
+        "attacks"
+    ][0]
     (n,) = report["neutralized"]
     assert n["rounds_until_rejected"] is None and not n["rejected_by_all"]
     assert n["rounds_until_left_out"] == 0 and n["left_out_by_all"]
     assert n["rounds_applied_with_attacker"] == 0
     assert report["honest_peers_left_out"] == 0 and report["honest_peers_rejected"] == 0
     liar.records[0][2]["stalled_peers"] = ["h1"]  # an honest peer blamed
-    report = attack_report(clean, {"lying_reducer": {"defended": [liar]}})["attacks"][0]
+    report = attack_report(clean, {"lying_reducer": {"defended": [liar]}}, OPPOSED_COSINE)[
+        "attacks"
+    ][0]
     assert report["honest_peers_left_out"] == 1
+
+
+def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():
+    """The cosines in the honest peers' metrics (`agreement`): the attacker's apart from the
+    honest peers', and how many honest readings fell where the rule counts against a member."""
+    clean = [run([3.0, 3.0], None)]
+    flipper = run([3.0, 3.0])
+    flipper.records[0][0]["agreement"] = {"h1": 0.5, "a": -0.6}
+    flipper.records[0][1]["agreement"] = {"h1": -0.35, "a": -0.4}
+    flipper.records[1][0]["agreement"] = {"h0": 0.7, "a": 0.1}
+    report = attack_report(clean, {"sign_flip": {"defended": [flipper]}}, OPPOSED_COSINE)
+    (seen,) = report["attacks"][0]["agreement_defended"]
+    assert seen["attacker"] == {"n": 3, "min": -0.6, "median": -0.4, "max": 0.1}
+    assert seen["honest"]["n"] == 3 and seen["honest"]["median"] == 0.5
+    assert seen["honest_below"] == 1  # -0.35, below -0.3
+    assert report["clean_agreement"] == [{"honest": {"n": 0}, "honest_below": 0}]
+    assert report["opposed_cosine"] == OPPOSED_COSINE

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import queue
 import secrets
 import subprocess
 import sys
@@ -741,7 +742,10 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
         def to_base58(self) -> str:
             return str(self)
 
-    fake = SimpleNamespace(_opposed={}, _stalled={}, _rounds=0, _gate=SimpleNamespace(banned=set()))
+    events: queue.Queue = queue.Queue()
+    fake = SimpleNamespace(
+        _opposed={}, _stalled={}, _rounds=0, _gate=SimpleNamespace(banned=set()), _events=events
+    )
     fake._excluded = lambda peer: peer in fake._stalled
     fake._stall = lambda peer, why: named.append((peer, why))
     flipper, banned = Peer("flipper"), Peer("banned")
@@ -764,6 +768,15 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     round_(flipper=-0.9)
     round_(flipper=-0.9)
     assert len(named) == 1 and not fake._opposed
+    # every reading, counted or not, reaches the peer (its metrics' `agreement`), by name
+    avg = SimpleNamespace(
+        _events=events, names={"flipper": "mallory"}, _agreements=[], _stalls=[],
+        left_out_ids=set(), rejected_ids=set(),
+    )  # fmt: skip
+    assert ProbedAverager.rejections(avg) == []
+    readings = ProbedAverager.agreements(avg)
+    assert len(readings) == 9 * 3 + 5 and readings[-1] == ("mallory", -0.9)
+    assert ("honest", pytest.approx(0.4)) in readings and ProbedAverager.agreements(avg) == []
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

@@ -18,6 +18,7 @@ from pathlib import Path
 from atomtrain.bench.attack_report import SwarmRun, attack_report, final_loss
 from atomtrain.peer.attack import ATTACKS
 from atomtrain.peer.auth import KEY_ENV, load_swarm_key, write_new_key
+from atomtrain.peer.averaging import OPPOSED_COSINE
 from atomtrain.peer.certs import issue, write_new_identity
 from atomtrain.peer.launcher import Swarm
 from atomtrain.train.metrics import read_metrics
@@ -174,7 +175,7 @@ def run_attack_bench(cfg: AttackConfig, out: Path, progress: bool = True) -> dic
                 run = run_case(cfg, out, key, attack, defend, seed)
                 cases.setdefault(attack, {}).setdefault(label, []).append(run)
                 say(f"seed {seed} {attack} {label}: final loss {final_loss(run)}")
-    result = attack_report(clean, cases)
+    result = attack_report(clean, cases, OPPOSED_COSINE)
     result.update(
         honest_peers=cfg.honest,
         attackers=1,

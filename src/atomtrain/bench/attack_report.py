@@ -111,6 +111,28 @@ def failed_round_s(run: SwarmRun) -> float | None:
     return statistics.median(times) if times else None
 
 
+def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
+    """The cosines the honest peers' reducers read (metrics' `agreement`): of the attacker's
+    update with theirs, and of each other's, with how many of the honest readings fell below
+    `threshold` (where the opposing-update rule counts a round against a member)."""
+
+    def summary(values: list[float]) -> dict[str, Any]:
+        if not values:
+            return {"n": 0}
+        ordered = sorted(values)
+        return {"n": len(ordered), "min": ordered[0], "median": statistics.median(ordered),
+                "max": ordered[-1]}  # fmt: skip
+
+    readings = [
+        (who, c) for log in run.records for r in log for who, c in r.get("agreement", {}).items()
+    ]
+    honest = [c for who, c in readings if who in run.honest]
+    out = {"honest": summary(honest), "honest_below": sum(1 for c in honest if c < threshold)}
+    if run.attacker is not None:
+        out["attacker"] = summary([c for who, c in readings if who == run.attacker])
+    return out
+
+
 def spread(values: list[float | None]) -> dict[str, Any]:
     ranked = [math.inf if v is None else v for v in values]
     med = statistics.median(ranked) if ranked else math.inf
@@ -122,7 +144,10 @@ def spread(values: list[float | None]) -> dict[str, Any]:
     }
 
 
-def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRun]]]) -> dict:
+def attack_report(
+    clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRun]]], threshold: float
+) -> dict:
+    """`threshold`: the cosine below which a reading counts against a member (OPPOSED_COSINE)."""
     clean_loss = spread([final_loss(r) for r in clean])
     reference = clean_loss["median"]
     attacks = []
@@ -145,11 +170,14 @@ def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRu
                 "rounds_applied_undefended": [rounds_applied(r) for r in undefended],
                 "rounds_failed_defended": [rounds_failed(r) for r in defended],
                 "failed_round_s_defended": [failed_round_s(r) for r in defended],
+                "agreement_defended": [agreement(r, threshold) for r in defended],
             }
         )
     return {
         "clean_final_loss": clean_loss,
         "clean_rounds_applied": [rounds_applied(r) for r in clean],
+        "clean_agreement": [agreement(r, threshold) for r in clean],
+        "opposed_cosine": threshold,
         "attacks": attacks,
         "notes": (
             "final losses: the honest peers' mean last validation loss, median over seeds (a "
@@ -164,6 +192,8 @@ def attack_report(clean: list[SwarmRun], cases: dict[str, dict[str, list[SwarmRu
             "a while; rounds_applied: per seed, the rounds the honest peer that applied fewest "
             "applied; rounds_failed: per seed, the rounds the honest peer that failed most "
             "failed; failed_round_s: per seed, the median wall time of the honest peers' failed "
-            "rounds"
+            "rounds; agreement, per seed: the cosines the honest peers' reducers read of the "
+            "attacker's update and of each other's against their own (n, min, median, max), "
+            "and how many honest readings fell below opposed_cosine"
         ),
     }

@@ -208,6 +208,7 @@ class ProbedAverager:
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
         self._stalls: list[tuple[str, str]] = []
+        self._agreements: list[tuple[str, float]] = []
         self.rejected_ids: set[str] = set()  # peer IDs (base58) rejected, as events came
         self.left_out_ids: set[str] = set()  # stallers; the runtime forgets one as it returns
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata (events)
@@ -419,6 +420,9 @@ class ProbedAverager:
             if kind == "name":  # from metadata its member signed (any, in open swarms)
                 self.names[peer_id] = why
                 continue
+            if kind == "agreement":
+                self._agreements.append((self.names.get(peer_id) or peer_id, float(why)))
+                continue
             (self.left_out_ids if kind == "stall" else self.rejected_ids).add(peer_id)
             named = (self.names.get(peer_id) or peer_id, why)
             (self._stalls if kind == "stall" else out).append(named)
@@ -427,6 +431,13 @@ class ProbedAverager:
         """(peer, why) for each member excluded for a while since the last call, for stalling
         a round (read after rejections())."""
         out, self._stalls = self._stalls, []
+        return out
+
+    def agreements(self) -> list[tuple[str, float]]:
+        """(peer, cosine) for each reading, since the last call, of how a member's update agreed
+        with this peer's own over the span this peer reduced (read after rejections()): what the
+        opposing-update rule (OPPOSED_COSINE) judges, for a user to check it on their data."""
+        out, self._agreements = self._agreements, []
         return out
 
     def download_state(self, timeout_s: float, sources: list[str], wait: bool = True) -> Any:
@@ -551,6 +562,7 @@ class GuardedAverager(DecentralizedAverager):
         much as an honest one, but round after round it pulls the average back (a sign flip,
         IPM). An agreeing round between does not clear the count (an attacker flipping every
         other round is still counted)."""
+        self._events.put((peer_id.to_base58(), repr(float(cosine)), "agreement"))
         if cosine >= OPPOSED_COSINE or self._excluded(peer_id) or peer_id in self._gate.banned:
             return
         recent = [r for r in self._opposed.get(peer_id, []) if r > self._rounds - OPPOSED_WITHIN]
