@@ -513,6 +513,7 @@ class GuardedAverager(DecentralizedAverager):
         self._sealed = b""  # what this member sent its group this round
         self._leaders: dict[bytes, PeerID] = {}  # group ID -> the leader that formed it
         self._assembled: set[bytes] = set()  # groups this step joined (a trigger may await them)
+        self._asking = 0  # join requests this member has out to leaders (_guard_leaders)
         self._trusted = True  # the round's metadata is its members' (robust bans count)
         self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
         self._stalls: dict[PeerID, tuple[int, int]] = {}  # peer -> (stalls, at round)
@@ -635,17 +636,21 @@ class GuardedAverager(DecentralizedAverager):
         then could not start its all-reduce at all, and the honest members it left waiting
         excluded it as a staller. False: it will not run it.
 
-        A group this member is not in, and can no longer join (it is not looking for a group
-        and did not assemble this one), is refused at once. hivemind's handler waits until this
-        member registers its next group, or forever: a leader that formed its group as this
-        member's matchmaking ran out of time (a retry's group is formed at the round's deadline,
-        where the follower stops waiting for it) held the round for the reducer timeout and
-        named this member a staller."""
+        A group this member is not in, and can no longer join, is refused at once: it did not
+        assemble this group, and it has no join request out to a leader (one it has out may be
+        answered with this group: the leader's word can come after the other members' parts).
+        hivemind's handler waits until this member registers its next group, or forever: a
+        leader that formed its group as this member's matchmaking ran out of time (a retry's
+        group is formed at the round's deadline, where the follower stops waiting for it) held
+        the round for the reducer timeout and named this member a staller; so did one whose
+        word came after this member, still looking for a group, had given up on it (bench
+        attack, 4 peers on 2 cores: an honest peer left out, its partners' next rounds short of
+        the quorum)."""
         while group_id not in self._running_groups:
             matchmaking = getattr(self, "_matchmaking", None)
             looking = matchmaking is not None and matchmaking.is_looking_for_group
-            if group_id not in self._assembled and not looking:
-                return False  # (a member still looking may be in it: its leader's word is late)
+            if group_id not in self._assembled and not (looking and self._asking):
+                return False
             await asyncio.sleep(0.05)
         started = self._running_groups[group_id]
         try:
@@ -746,7 +751,11 @@ class GuardedAverager(DecentralizedAverager):
         async def guarded(leader: PeerID):
             if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
                 return None
-            return await ask(leader)
+            self._asking += 1  # from the request until the leader's group, or its end
+            try:
+                return await ask(leader)
+            finally:
+                self._asking -= 1
 
         async def followed(leader: PeerID, message: Any):
             group_info = await assemble(leader, message)
