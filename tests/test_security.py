@@ -440,9 +440,6 @@ def handlers_alone() -> GuardedAverager:
         async def allows(self, dht, peer_id):
             return True
 
-        def member_of(self, peer_id):
-            return None
-
     avg = GuardedAverager.__new__(GuardedAverager)
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
@@ -1001,19 +998,3 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         "missed": [averaging_pb2.BAD_GROUP_ID],
         "triggered": [averaging_pb2.AVERAGED_PART],
     }
-
-
-def test_a_member_left_out_is_left_out_under_every_peer_id_its_certificates_name():
-    """A sybil: one member, several peer IDs. Once one of them is left out for a while, so are
-    the others (as a ban follows the member); another member's peer is not, nor an unverified
-    one (an open swarm verifies none)."""
-    gate = MemberGate(None, SWARM)
-    gate._verified = {
-        p: (0.0, m, "key") for p, m in [("m1", "mallory"), ("m2", "mallory"), ("h", "honest")]
-    }
-    avg = GuardedAverager.__new__(GuardedAverager)
-    avg._gate, avg._stalled = gate, {"m1": 3}
-    assert avg._excluded("m1") and avg._excluded("m2")
-    assert not avg._excluded("h") and not avg._excluded("unverified")
-    avg._stalled = {}  # let back in: all of its peer IDs
-    assert not avg._excluded("m2")

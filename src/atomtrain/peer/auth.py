@@ -381,12 +381,6 @@ class MemberGate:
         if verified is not None:
             self.banned_members.add(verified[1])
 
-    def member_of(self, peer_id: PeerID) -> str | None:
-        """The member a certificate this gate verified names for `peer_id` (None: none verified,
-        or an open swarm)."""
-        verified = self._verified.get(peer_id)
-        return verified[1] if verified is not None else None
-
     async def allows(self, dht: Any, peer_id: PeerID) -> bool:
         if peer_id in self.banned:
             return False

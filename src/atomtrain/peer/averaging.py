@@ -583,14 +583,8 @@ class GuardedAverager(DecentralizedAverager):
         return self._defence is not None and self._defence.audit
 
     def _excluded(self, peer_id: PeerID) -> bool:
-        """Stalled a round lately (local, for some rounds; a ban is the gate's and lasts), or
-        another peer ID of its member did: exclusions follow the member, as bans do (a member's
-        other identities are no way back in: bench attack's sybils, refused only one by one,
-        split the honest peers' groups into pairs that the quorum then could not apply)."""
-        if peer_id in self._stalled:
-            return True
-        member = self._gate.member_of(peer_id)
-        return member is not None and any(self._gate.member_of(p) == member for p in self._stalled)
+        """Stalled a round lately (local, for some rounds; a ban is the gate's and lasts)."""
+        return peer_id in self._stalled
 
     # --- gates ------------------------------------------------------------------------------
 
