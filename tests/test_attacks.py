@@ -147,9 +147,9 @@ def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():
     honest peers', and how many honest readings fell where the rule counts against a member."""
     clean = [run([3.0, 3.0], None)]
     flipper = run([3.0, 3.0])
-    flipper.records[0][0]["agreement"] = {"h1": 0.5, "a": -0.6}
-    flipper.records[0][1]["agreement"] = {"h1": -0.35, "a": -0.4}
-    flipper.records[1][0]["agreement"] = {"h0": 0.7, "a": 0.1}
+    flipper.records[0][0]["agreement"] = [["h1", "id1", 0.5], ["a", "idA", -0.6]]
+    flipper.records[0][1]["agreement"] = [["h1", "id1", -0.35], ["a", "idA", -0.4]]
+    flipper.records[1][0]["agreement"] = [["h0", "id0", 0.7], ["a", "idA", 0.1]]
     report = attack_report(clean, {"sign_flip": {"defended": [flipper]}}, OPPOSED_COSINE)
     (seen,) = report["attacks"][0]["agreement_defended"]
     assert seen["attacker"] == {"n": 3, "min": -0.6, "median": -0.4, "max": 0.1}

@@ -175,7 +175,11 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
     ]
     try:
         for i, p in enumerate(procs):
-            out, _ = p.communicate(timeout=150)
+            try:  # start-up may take the barrier's 120 s on a loaded machine, then 3 rounds
+                out, _ = p.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
             (tmp_path / f"log{i}.txt").write_text(out)  # for a failing test's post-mortem
             assert p.returncode == 0, out[-3000:]
     finally:
@@ -775,8 +779,9 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     )  # fmt: skip
     assert ProbedAverager.rejections(avg) == []
     readings = ProbedAverager.agreements(avg)
-    assert len(readings) == 9 * 3 + 5 and readings[-1] == ("mallory", -0.9)
-    assert ("honest", pytest.approx(0.4)) in readings and ProbedAverager.agreements(avg) == []
+    assert len(readings) == 9 * 3 + 5 and readings[-1] == ("mallory", "flipper", -0.9)
+    assert ("honest", "honest", pytest.approx(0.4)) in readings
+    assert ProbedAverager.agreements(avg) == []
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

@@ -112,9 +112,10 @@ def failed_round_s(run: SwarmRun) -> float | None:
 
 
 def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
-    """The cosines the honest peers' reducers read (metrics' `agreement`): of the attacker's
-    update with theirs, and of each other's, with how many of the honest readings fell below
-    `threshold` (where the opposing-update rule counts a round against a member)."""
+    """The cosines the honest peers' reducers read (metrics' `agreement`: [name, peer ID,
+    cosine] each): of the attacker's update with theirs (and its sybils'), and of each other's,
+    with how many of the honest readings fell below `threshold` (where the opposing-update rule
+    counts a round against a member)."""
 
     def summary(values: list[float]) -> dict[str, Any]:
         if not values:
@@ -124,12 +125,14 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
                 "max": ordered[-1]}  # fmt: skip
 
     readings = [
-        (who, c) for log in run.records for r in log for who, c in r.get("agreement", {}).items()
+        (who, c) for log in run.records for r in log for who, _, c in r.get("agreement", ())
     ]
     honest = [c for who, c in readings if who in run.honest]
     out = {"honest": summary(honest), "honest_below": sum(1 for c in honest if c < threshold)}
     if run.attacker is not None:
         out["attacker"] = summary([c for who, c in readings if who == run.attacker])
+    if run.sybils:  # the member's other identities
+        out["sybils"] = summary([c for who, c in readings if who in run.sybils])
     return out
 
 

@@ -208,7 +208,7 @@ class ProbedAverager:
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
         self._stalls: list[tuple[str, str]] = []
-        self._agreements: list[tuple[str, float]] = []
+        self._agreements: list[tuple[str, str, float]] = []
         self.rejected_ids: set[str] = set()  # peer IDs (base58) rejected, as events came
         self.left_out_ids: set[str] = set()  # stallers; the runtime forgets one as it returns
         self.names: dict[str, str] = {}  # peer ID -> name, from the rounds' metadata (events)
@@ -421,7 +421,7 @@ class ProbedAverager:
                 self.names[peer_id] = why
                 continue
             if kind == "agreement":
-                self._agreements.append((self.names.get(peer_id) or peer_id, float(why)))
+                self._agreements.append((self.names.get(peer_id) or peer_id, peer_id, float(why)))
                 continue
             (self.left_out_ids if kind == "stall" else self.rejected_ids).add(peer_id)
             named = (self.names.get(peer_id) or peer_id, why)
@@ -433,10 +433,11 @@ class ProbedAverager:
         out, self._stalls = self._stalls, []
         return out
 
-    def agreements(self) -> list[tuple[str, float]]:
-        """(peer, cosine) for each reading, since the last call, of how a member's update agreed
-        with this peer's own over the span this peer reduced (read after rejections()): what the
-        opposing-update rule (OPPOSED_COSINE) judges, for a user to check it on their data."""
+    def agreements(self) -> list[tuple[str, str, float]]:
+        """(name, peer ID, cosine) for each reading, since the last call, of how a member's
+        update agreed with this peer's own over the span this peer reduced (read after
+        rejections()): what the opposing-update rule (OPPOSED_COSINE) judges, for a user to
+        check it on their data."""
         out, self._agreements = self._agreements, []
         return out
 

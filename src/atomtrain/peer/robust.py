@@ -36,17 +36,16 @@ agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member wh
 against this one's round after round is left out for a while (averaging.py, OPPOSED_COSINE),
 though clipping already bounds what it moves each round.
 
-A reducer can lie too: every member checks the averaged parts it receives. With three or more
-members in sync (reducer_bounds), within `reduced` times a typical update and its own part of
-its own values; with fewer, no larger than `PAIR_SLACK` times its own part (a member in sync:
-its part is one of the two). A reducer that returns non-finite values is rejected and banned
-like a sender; one beyond its bound is doubted: the round is discarded and the reducer left out
-of the next rounds for a while, as a member that stalls (longer each time), not banned, since an
-honest reducer can land there too (one whose own update is tens of times a member's). One that
-lies within the bound is caught by the span's auditor instead (audit.py: a second member replays
-every reduction, `Defence.audit`); without the audit it could move its span's average by a few
-typical updates each round, unseen.
-"""
+A reducer can lie too: every member checks the averaged parts it receives (bounds.py). With three or
+more members in sync (reducer_bounds), within `reduced` times a typical update and its own part of
+its own values; with fewer, no larger than `PAIR_SLACK` times its own part (a member in sync: its
+part is one of the two). A reducer that returns non-finite values is rejected and banned like a
+sender; one beyond its bound is doubted: the round is discarded and the reducer left out of the next
+rounds for a while, as a member that stalls (longer each time), not banned, since an honest reducer
+can land there too (one whose own update is tens of times a member's). One that lies within the
+bound is caught by the span's auditor instead (audit.py: a second member replays every reduction,
+`Defence.audit`); without the audit it could move its span's average by a few typical updates each
+round, unseen."""
 
 from __future__ import annotations
 

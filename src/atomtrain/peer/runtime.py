@@ -1003,9 +1003,9 @@ class PeerRuntime:
         for peer, why in self.averager.stalls():  # excluded for a while, not banned
             log.warning("left %s out of rounds for a while: it %s", peer, why)
             record.setdefault("stalled_peers", []).append(peer)
-        for peer, cosine in self.averager.agreements():  # the opposing-update rule's readings
-            log.debug("%s's update against this peer's: cosine %.3f", peer, cosine)
-            record.setdefault("agreement", {})[peer] = round(cosine, 4)
+        for name, peer_id, cosine in self.averager.agreements():  # the opposing-update rule's
+            log.debug("%s's update against this peer's: cosine %.3f", name, cosine)
+            record.setdefault("agreement", []).append([name, peer_id, round(cosine, 4)])
 
     def end_on_sync(self) -> None:
         """The model takes the synchronized parameters, its local progress left behind: the end
