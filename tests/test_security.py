@@ -1003,3 +1003,49 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         "missed": [averaging_pb2.BAD_GROUP_ID],
         "triggered": [averaging_pb2.AVERAGED_PART],
     }
+
+
+def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():
+    """What _group_started trusts: a member counts a join request out from its start until the
+    leader's group or the request's end, whatever ends it (a redirect nests one request in
+    another, as hivemind's matchmaking calls itself through the wrapped attribute)."""
+    avg = handlers_alone()
+    avg._stalled, avg._assembled, avg._leaders, avg._asking = {}, set(), {}, 0
+    counted: list[int] = []
+
+    class Matchmaking:
+        async def _request_join_group(self, leader):
+            counted.append(avg._asking)
+            if leader == "redirects":  # GROUP_DISBANDED with a suggested leader
+                return await self._request_join_group("leads")
+            if leader == "fails":
+                raise RuntimeError("the leader's daemon died")
+            if leader == "hangs":
+                await asyncio.sleep(10)
+            return "group"
+
+        async def follower_assemble_group(self, leader, message):
+            raise AssertionError("not reached")
+
+        async def leader_assemble_group(self):
+            raise AssertionError("not reached")
+
+    matchmaking = Matchmaking()
+    avg._matchmaking = matchmaking
+    avg._guard_leaders()
+
+    async def scenario() -> None:
+        assert await matchmaking._request_join_group("redirects") == "group"
+        assert counted == [1, 2] and avg._asking == 0
+        with pytest.raises(RuntimeError):
+            await matchmaking._request_join_group("fails")
+        assert avg._asking == 0
+        waiting = asyncio.create_task(matchmaking._request_join_group("hangs"))
+        await asyncio.sleep(0.05)
+        assert avg._asking == 1  # its leader's word may still come: a group's parts wait
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert avg._asking == 0  # given up: a group it was put in is refused at once
+
+    asyncio.run(scenario())
