@@ -331,6 +331,16 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
     assert apply([4, 4], [True, True], keyed=False) == "applied"  # open: anyone brings a third
     assert apply([4, 4], [True, True], group_size=2) == "applied"  # groups of two by choice
     assert apply([4, 4], [True, False]) == "no other member in sync"
+    # whom a round held and who was in sync, kept in its metrics whatever came of it
+    record: dict = {}
+    peers = [{"name": "a", "live": 3}, {"name": "b", "live": 3}, {"name": "c", "live": 3}]
+    fake = SimpleNamespace(
+        averager=object(), cfg=SimpleNamespace(defend=True, target_group_size=64),
+        membership=object(), _final=False, _round_started=0.0,
+        _lose_round=lambda why, record: None,
+    )  # fmt: skip
+    PeerRuntime._apply(fake, RoundResult(3, peers, 0, [True, True, False], [""] * 3), record)
+    assert record["round_members"] == [["a", True], ["b", True], ["c", False]]
 
 
 def test_the_schedule_step_is_the_members_median_then_the_servers_within_the_run():

@@ -819,6 +819,11 @@ class PeerRuntime:
     def _apply(self, result: RoundResult, record: dict[str, Any]) -> None:
         assert self.averager is not None
         round_s = time.perf_counter() - self._round_started
+        if result.in_sync:  # kept, whatever comes of the round: whom a failed round held
+            record["round_members"] = [
+                [str(g.get("name", ""))[:64] if isinstance(g, dict) else "", bool(ok)]
+                for g, ok in zip(result.peers, result.in_sync, strict=False)
+            ]
         if not result.self_in_sync:
             self._shift(0.0)
             self._start_resync(result)
