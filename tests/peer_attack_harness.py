@@ -82,32 +82,6 @@ def honest_done(work: Path, r: int) -> bool:
     return all((work / f"done{r}_{i}").exists() for i in range(2))
 
 
-def attacker_round(
-    avg: ProbedAverager, delta: torch.Tensor, weight: float, rms_claim: float, work: Path, r: int
-) -> dict:
-    """Peer 2's round: as an honest one's, except that once both honest peers have ended theirs
-    it stops looking for a group (refused by peers that banned or left it out, it would go on
-    asking until its round's timeout, and the next round waits for it at the barrier). A round
-    that found its group runs to its end: only its matchmaking is cancelled."""
-
-    def write(piece, out):
-        out.copy_(delta[piece.offset : piece.offset + piece.numel])
-
-    rms = rms_claim or float(delta.pow(2).mean().sqrt())
-    info = {"name": "h2", "round": 0, "sketch": [0.0] * 64, "update_size": 1.0, "rms": rms}
-    avg.start(write, weight, lambda: info)
-    while not avg.done():
-        if honest_done(work, r) and not avg.group_found():
-            avg.cancel()
-            return {"failed": True, "why": "gave up: the honest peers' round had ended"}
-        time.sleep(0.05)
-    try:
-        avg.result()
-    except RoundFailed as e:
-        return {"failed": True, "why": str(e)}
-    return {"failed": False}
-
-
 TIMEOUT_S = 8.0
 """The averagers' round timeout; hivemind's sender timeout is a third of it, the reducer's two
 thirds. `late` runs with twice as long, so that its margins hold on a loaded machine; `stall`
@@ -243,15 +217,20 @@ def main() -> None:
             if stalled_round(avg, delta, frozen_s, partial(honest_done, work, r)):
                 (work / f"froze{r}").touch()  # in a group: the round it was meant to slow
             continue
-        if index == 2:
-            rounds.append(attacker_round(avg, delta, weight, rms_claim, work, r))
-            continue
+        # peer 2, refused by peers that banned or left it out, would go on asking until its
+        # round's timeout while the next barrier waited: it gives up once the honest peers' ended
+        give_up = partial(honest_done, work, r) if index == 2 else None
         try:
             rounds.append(
-                {"failed": False, **averaged_round(avg, delta, weight, f"h{index}", rms_claim)}
+                {
+                    "failed": False,
+                    **averaged_round(avg, delta, weight, f"h{index}", rms_claim, give_up=give_up),
+                }
             )
         except RoundFailed as e:
             rounds.append({"failed": True, "why": str(e)})
+        if index == 2:
+            continue
         (work / f"done{r}_{index}").touch()
         rejected += avg.rejections()
         stalled += getattr(avg, "stalls", list)()

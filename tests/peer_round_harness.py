@@ -9,12 +9,13 @@ where the peer says its synchronized parameters are (sync.py; members agree at 0
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from hivemind import DHT
 
-from atomtrain.peer.averaging import ProbedAverager
+from atomtrain.peer.averaging import ProbedAverager, RoundFailed
 from atomtrain.peer.layout import cut_pieces
 
 NUMEL = 5000
@@ -31,9 +32,12 @@ def averaged_round(
     name: str,
     rms_claim: float = 0.0,
     sketch: float = 0.0,
+    give_up: Callable[[], bool] | None = None,
 ) -> dict:
     """One round with `delta` as this member's contribution; the flat average that came back.
-    `rms_claim`: the size this member tells the group its update has (0: the true one)."""
+    `rms_claim`: the size this member tells the group its update has (0: the true one).
+    `give_up`: once it says so, a round still looking for its group stops looking (RoundFailed);
+    one that found its group runs to its end."""
 
     def write(piece, out):
         out.copy_(delta[piece.offset : piece.offset + piece.numel])
@@ -42,6 +46,9 @@ def averaged_round(
     info = {"name": name, "round": 0, "sketch": [sketch] * 64, "update_size": 1.0, "rms": rms}
     avg.start(write, weight, lambda: info)
     while not avg.done():
+        if give_up is not None and give_up() and not avg.group_found():
+            avg.cancel()
+            raise RoundFailed("gave up looking for a group")
         time.sleep(0.05)
     result = avg.result()
     flat = torch.empty(delta.numel())
