@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
 from atomtrain.peer.auth import (
+    ROSTER_TTL_S,
     MemberGate,
     Membership,
     SwarmKey,
@@ -125,6 +127,52 @@ def test_only_the_owner_admits_and_bans_and_revocations_follow_the_member(tmp_pa
             revoked_key(SWARM), forged.to_text(), expires, own_subkey(alice2.private_key)
         )
         assert read_roster(host, SWARM, key.owner()).revocations == revoked
+    finally:
+        for dht in others:
+            dht.shutdown()
+        host.shutdown()
+
+
+class CountedDHT(AwaitableDHT):
+    """The same DHT, counting the gets the gate makes of it."""
+
+    def __init__(self, dht: DHT) -> None:
+        super().__init__(dht)
+        self.gets = 0
+
+    def get(self, key: str, latest: bool, return_future: bool):
+        self.gets += 1
+        return super().get(key, latest, return_future)
+
+
+def test_the_gate_reads_the_roster_once_for_many_checks_and_again_after_a_while(tmp_path: Path):
+    """A sybil identity asking again and again costs one read of the roster per ROSTER_TTL_S,
+    shared by every check waiting on it (read for each, the refusals slowed honest matchmaking);
+    a member admitted later is seen once that while has passed."""
+    key = SwarmKey(secrets.token_bytes(32))
+    owner = Membership.of_owner(key, "owner", RSAPrivateKey())
+    alice, alice_id = admit(key, tmp_path, "alice")
+    bob, bob_id = admit(key, tmp_path, "bob")
+    sybil = PeerID.from_base58(write_new_identity(tmp_path / "sybil.id").peer_id)
+    host = start_dht(owner, [])
+    addrs = [str(a) for a in host.get_visible_maddrs()]
+    others = [start_dht(alice, addrs, alice_id)]
+    try:
+        declare_member(others[0], SWARM, alice, others[0].peer_id, wait=True)
+        counted, gate = CountedDHT(host), MemberGate(owner, SWARM)
+
+        async def checks() -> list[bool]:
+            asked = [gate.allows(counted, sybil) for _ in range(20)]
+            return await asyncio.gather(*asked, gate.allows(counted, others[0].peer_id))
+
+        assert asyncio.run(checks()) == [False] * 20 + [True]
+        assert counted.gets == 2  # one read: the members and the revocations
+        assert not allows(gate, counted.dht, sybil.to_base58())  # (allows wraps anew: no count)
+        others.append(start_dht(bob, addrs, bob_id))
+        declare_member(others[1], SWARM, bob, others[1].peer_id, wait=True)
+        time.sleep(ROSTER_TTL_S)  # (bob's start may have taken as long: no check in between)
+        assert asyncio.run(gate.allows(counted, others[1].peer_id))
+        assert counted.gets == 4
     finally:
         for dht in others:
             dht.shutdown()

@@ -31,6 +31,7 @@ from atomtrain.peer.auth import (
 )
 from atomtrain.peer.averaging import (
     FORGIVE_ROUNDS,
+    OPPOSED_EXCLUSION_ROUNDS,
     GuardedAverager,
     ProbedAverager,
     exclusion_rounds,
@@ -343,6 +344,7 @@ def test_a_reducers_averages_are_checked_as_tightly_as_its_rule_allows():
 
 def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
     assert [exclusion_rounds(k) for k in (1, 2, 3, 4)] == [2, 4, 8, 16]
+    assert [exclusion_rounds(k, first=16) for k in (1, 2)] == [16, 32]
     assert exclusion_rounds(10**6) == exclusion_rounds(32)  # a long run's count stays bounded
     assert stalls_remembered(3, FORGIVE_ROUNDS - 1) == 3
     assert stalls_remembered(3, FORGIVE_ROUNDS) == 2
@@ -380,6 +382,16 @@ def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
         at += left_out[-1] + 1
     assert left_out == [2, 4, 8, 16, 32, 64, 128, 256]
     assert len(events) == 13 and all(e[2] == "stall" for e in events)
+    # one left out longer the first time (opposing updates): its quiet rounds count from the
+    # end of that longer exclusion, and a repeat doubles that length
+    c = averager()
+    c._rounds, c._stalled = 1, {}
+    GuardedAverager._stall(c, Peer("peer"), "opposed", first=OPPOSED_EXCLUSION_ROUNDS)
+    assert c._stalled["peer"] - 1 == OPPOSED_EXCLUSION_ROUNDS
+    again = 1 + OPPOSED_EXCLUSION_ROUNDS + FORGIVE_ROUNDS - 1  # not quite forgiven
+    c._rounds, c._stalled = again, {}
+    GuardedAverager._stall(c, Peer("peer"), "opposed", first=OPPOSED_EXCLUSION_ROUNDS)
+    assert c._stalled["peer"] - 1 == 2 * OPPOSED_EXCLUSION_ROUNDS
 
 
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):
@@ -751,7 +763,7 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
         _opposed={}, _stalled={}, _rounds=0, _gate=SimpleNamespace(banned=set()), _events=events
     )
     fake._excluded = lambda peer: peer in fake._stalled
-    fake._stall = lambda peer, why: named.append((peer, why))
+    fake._stall = lambda peer, why, first: named.append((peer, why, first))
     flipper, banned = Peer("flipper"), Peer("banned")
     fake._gate.banned.add(banned)
 
@@ -766,7 +778,8 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     round_(flipper=-0.5)
     round_(flipper=0.6)  # agreeing between: still counted
     round_(flipper=-0.5)
-    assert [peer for peer, _ in named] == ["flipper"] and "opposite" in named[0][1]
+    assert [peer for peer, _, _ in named] == ["flipper"] and "opposite" in named[0][1]
+    assert named[0][2] == OPPOSED_EXCLUSION_ROUNDS  # left out longer than a staller
     assert not fake._opposed  # counted afresh after it is let back in
     fake._stalled[flipper] = 3  # while it is left out, nothing more is counted against it
     round_(flipper=-0.9)

@@ -22,6 +22,7 @@ open (the peer says so at start). The transport stays encrypted either way (libp
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import tempfile
@@ -55,6 +56,12 @@ SELF_CERT_LIFETIME_S = 3600.0
 """Certificates an owner's peer issues itself are short-lived (it reissues them)."""
 PROOF_TTL_S = 30.0
 """Members republish their certificate this often or sooner; the gate trusts a check this long."""
+ROSTER_TTL_S = 2.0
+"""The gate reads the swarm's roster from the DHT at most this often, one read for every check
+waiting on it. A caller no certificate names (a sybil identity) is refused from that read: read
+anew for every request, two DHT gets each, the refusals ate honest peers' matchmaking (bench
+attack's sybil: its two extra identities asked and were asked every round, and the honest
+peers met mostly in pairs the quorum does not apply)."""
 
 
 @dataclass(frozen=True)
@@ -374,6 +381,8 @@ class MemberGate:
         self.banned: set[PeerID] = set()
         self.banned_members: set[str] = set()
         self._verified: dict[PeerID, tuple[float, str, str]] = {}  # until, member, public key
+        self._roster: tuple[float, Roster] | None = None  # until, the roster last read
+        self._reading: asyncio.Future | None = None  # the read in flight, shared
 
     def ban(self, peer_id: PeerID) -> None:
         self.banned.add(peer_id)
@@ -406,15 +415,34 @@ class MemberGate:
         now = time.monotonic()
         until, member, key = self._verified.get(peer_id, (0.0, "", ""))
         if until <= now:
-            try:
-                members = await dht.get(members_key(self.swarm), latest=True, return_future=True)
-                revoked = await dht.get(revoked_key(self.swarm), latest=True, return_future=True)
-            except Exception:
-                return None
+            roster = await self._read_roster(dht)
             assert self.owner is not None
-            cert = roster_of(members, revoked, self.owner).of_peer(peer_id.to_base58())
+            cert = roster.of_peer(peer_id.to_base58()) if roster is not None else None
             if cert is None:
                 return None
             member, key = cert.member, cert.public_key
             self._verified[peer_id] = (now + PROOF_TTL_S, member, key)
         return member, key
+
+    async def _read_roster(self, dht: Any) -> Roster | None:
+        """The swarm's roster, read at most every ROSTER_TTL_S (None: the DHT did not answer)."""
+        if self._roster is not None and self._roster[0] > time.monotonic():
+            return self._roster[1]
+        if self._reading is None or self._reading.get_loop() is not asyncio.get_running_loop():
+            self._reading = asyncio.ensure_future(self._fetch_roster(dht))
+        reading = self._reading
+        roster = await asyncio.shield(reading)
+        if self._reading is reading:
+            self._reading = None
+        return roster
+
+    async def _fetch_roster(self, dht: Any) -> Roster | None:
+        try:
+            members = await dht.get(members_key(self.swarm), latest=True, return_future=True)
+            revoked = await dht.get(revoked_key(self.swarm), latest=True, return_future=True)
+        except Exception:
+            return None
+        assert self.owner is not None
+        roster = roster_of(members, revoked, self.owner)
+        self._roster = (time.monotonic() + ROSTER_TTL_S, roster)
+        return roster
