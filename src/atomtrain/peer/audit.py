@@ -273,6 +273,7 @@ class AuditedRunner(RobustRunner):
     ) -> Any:
         """The average an honest reducer sends for one part, on the wire (kept so until every
         member has asked: a quarter of the float32 span's size with the 8-bit codec)."""
+        assert self._audited is not None  # only a member that audits a span replays one
         info = self.span_parts[self._audited][part_index][1]
 
         def replay() -> Any:
@@ -296,6 +297,7 @@ class AuditedRunner(RobustRunner):
         """This member's verdict on the span it audits: its replay against the averages it
         received and the parts it sent ("" when they agree)."""
         span = self._audited
+        assert span is not None  # only a member that audits a span gives a verdict
         reducer = self.ordered_peer_ids[span]
         if span in self._fell_back:  # the reducer failed on us: the probes discard the round
             return f"{reducer} sent not all its averages"

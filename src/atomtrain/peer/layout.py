@@ -106,7 +106,7 @@ def sketch_distance(a: list[float], b: list[float]) -> float:
 def digest(flat: torch.Tensor) -> str:
     """Exact fingerprint: equal only for bit-identical vectors (peers built from one seed)."""
     # the tensor's own memory, not a copy of it (hashlib reads any buffer)
-    return hashlib.blake2b(memoryview(flat.contiguous().numpy()), digest_size=8).hexdigest()
+    return hashlib.blake2b(flat.contiguous().numpy().data, digest_size=8).hexdigest()
 
 
 def iter_chunks(numel: int, size: int = 1 << 20) -> Iterator[tuple[int, int]]:

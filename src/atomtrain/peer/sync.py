@@ -73,6 +73,13 @@ def quorum(live_members: int, keyed: bool) -> int:
     return QUORUM if keyed and live_members >= QUORUM else 2
 
 
+def smallest_group(live_members: int, keyed: bool, target_group_size: int) -> int:
+    """Members in sync a round needs to be applied (quorum), never more than a group holds.
+    Matchmaking closes no smaller group (averaging.py): a pair the quorum refuses would only
+    hold its members until the round failed, while the third looked for them."""
+    return min(quorum(live_members, keyed), target_group_size)
+
+
 def group_live(peers: Sequence[dict[str, object]]) -> int:
     """The live members a round's group counts, from what each member told it (`live`): the
     largest claim, so every member decides the same from the same metadata (a member's own
