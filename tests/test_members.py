@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,8 +15,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
+from atomtrain.peer import auth
 from atomtrain.peer.auth import (
-    ROSTER_TTL_S,
     MemberGate,
     Membership,
     SwarmKey,
@@ -145,10 +144,13 @@ class CountedDHT(AwaitableDHT):
         return super().get(key, latest, return_future)
 
 
-def test_the_gate_reads_the_roster_once_for_many_checks_and_again_after_a_while(tmp_path: Path):
+def test_the_gate_reads_the_roster_once_for_a_callers_many_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """A sybil identity asking again and again costs one read of the roster per ROSTER_TTL_S,
-    shared by every check waiting on it (read for each, the refusals slowed honest matchmaking);
-    a member admitted later is seen once that while has passed."""
+    shared by its checks waiting on it (read for each, the refusals slowed honest matchmaking);
+    a caller first asking after that read began is checked against a new one (an honest peer
+    stores its certificate before it asks: a member admitted after the read is let in)."""
     key = SwarmKey(secrets.token_bytes(32))
     owner = Membership.of_owner(key, "owner", RSAPrivateKey())
     alice, alice_id = admit(key, tmp_path, "alice")
@@ -157,22 +159,25 @@ def test_the_gate_reads_the_roster_once_for_many_checks_and_again_after_a_while(
     host = start_dht(owner, [])
     addrs = [str(a) for a in host.get_visible_maddrs()]
     others = [start_dht(alice, addrs, alice_id)]
+    monkeypatch.setattr(auth, "ROSTER_TTL_S", 3600.0)  # no check below outlives the roster
     try:
         declare_member(others[0], SWARM, alice, others[0].peer_id, wait=True)
         counted, gate = CountedDHT(host), MemberGate(owner, SWARM)
 
-        async def checks() -> list[bool]:
-            asked = [gate.allows(counted, sybil) for _ in range(20)]
-            return await asyncio.gather(*asked, gate.allows(counted, others[0].peer_id))
+        async def checks(peer: PeerID, n: int) -> list[bool]:
+            return await asyncio.gather(*[gate.allows(counted, peer) for _ in range(n)])
 
-        assert asyncio.run(checks()) == [False] * 20 + [True]
+        assert asyncio.run(checks(sybil, 20)) == [False] * 20
         assert counted.gets == 2  # one read: the members and the revocations
-        assert not allows(gate, counted.dht, sybil.to_base58())  # (allows wraps anew: no count)
+        assert asyncio.run(checks(sybil, 5)) == [False] * 5 and counted.gets == 2
+        assert asyncio.run(checks(others[0].peer_id, 3)) == [True] * 3  # asks after that read
+        assert counted.gets == 4
         others.append(start_dht(bob, addrs, bob_id))
         declare_member(others[1], SWARM, bob, others[1].peer_id, wait=True)
-        time.sleep(ROSTER_TTL_S)  # (bob's start may have taken as long: no check in between)
-        assert asyncio.run(gate.allows(counted, others[1].peer_id))
-        assert counted.gets == 4
+        assert asyncio.run(checks(others[1].peer_id, 1)) == [True] and counted.gets == 6
+        assert asyncio.run(checks(sybil, 1)) == [False] and counted.gets == 6
+        monkeypatch.setattr(auth, "ROSTER_TTL_S", 0.0)  # the roster has aged: read anew
+        assert asyncio.run(checks(sybil, 1)) == [False] and counted.gets == 8
     finally:
         for dht in others:
             dht.shutdown()

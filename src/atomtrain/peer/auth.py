@@ -57,11 +57,14 @@ SELF_CERT_LIFETIME_S = 3600.0
 PROOF_TTL_S = 30.0
 """Members republish their certificate this often or sooner; the gate trusts a check this long."""
 ROSTER_TTL_S = 2.0
-"""The gate reads the swarm's roster from the DHT at most this often, one read for every check
-waiting on it. A caller no certificate names (a sybil identity) is refused from that read: read
-anew for every request, two DHT gets each, the refusals ate honest peers' matchmaking (bench
-attack's sybil: its two extra identities asked and were asked every round, and the honest
-peers met mostly in pairs the quorum does not apply)."""
+"""The gate reuses a roster it read from the DHT for this long, for a caller asking since before
+that read began. An honest peer stores its certificate before it first asks anything, so such a
+read holds it; a caller no certificate names (a sybil identity) is refused from it. Read anew
+for every request, two DHT gets each, the refusals ate honest peers' matchmaking (bench attack's
+sybil: its two extra identities asked and were asked every round)."""
+SEEN_KEPT = 4096
+"""Peer IDs whose first request the gate remembers; past that it forgets them all (each then
+costs one more read)."""
 
 
 @dataclass(frozen=True)
@@ -381,8 +384,9 @@ class MemberGate:
         self.banned: set[PeerID] = set()
         self.banned_members: set[str] = set()
         self._verified: dict[PeerID, tuple[float, str, str]] = {}  # until, member, public key
-        self._roster: tuple[float, Roster] | None = None  # until, the roster last read
-        self._reading: asyncio.Future | None = None  # the read in flight, shared
+        self._first_asked: dict[PeerID, float] = {}  # when each unverified caller first asked
+        self._roster: tuple[float, Roster] | None = None  # when its read began, the roster
+        self._reading: tuple[float, asyncio.Future] | None = None  # the read in flight
 
     def ban(self, peer_id: PeerID) -> None:
         self.banned.add(peer_id)
@@ -415,28 +419,39 @@ class MemberGate:
         now = time.monotonic()
         until, member, key = self._verified.get(peer_id, (0.0, "", ""))
         if until <= now:
-            roster = await self._read_roster(dht)
-            assert self.owner is not None
+            if len(self._first_asked) >= SEEN_KEPT:
+                self._first_asked.clear()
+            roster = await self._read_roster(dht, self._first_asked.setdefault(peer_id, now))
             cert = roster.of_peer(peer_id.to_base58()) if roster is not None else None
             if cert is None:
                 return None
+            self._first_asked.pop(peer_id, None)
             member, key = cert.member, cert.public_key
             self._verified[peer_id] = (now + PROOF_TTL_S, member, key)
         return member, key
 
-    async def _read_roster(self, dht: Any) -> Roster | None:
-        """The swarm's roster, read at most every ROSTER_TTL_S (None: the DHT did not answer)."""
-        if self._roster is not None and self._roster[0] > time.monotonic():
-            return self._roster[1]
-        if self._reading is None or self._reading.get_loop() is not asyncio.get_running_loop():
-            self._reading = asyncio.ensure_future(self._fetch_roster(dht))
+    async def _read_roster(self, dht: Any, since: float) -> Roster | None:
+        """The swarm's roster as read by a DHT read that began at `since` or later and at most
+        ROSTER_TTL_S ago: the last one, the one in flight, or a new one (None: the DHT did not
+        answer)."""
+        now = time.monotonic()
+        if self._roster is not None:
+            began, roster = self._roster
+            if began >= since and now - began < ROSTER_TTL_S:
+                return roster
         reading = self._reading
-        roster = await asyncio.shield(reading)
+        if (
+            reading is None
+            or reading[0] < since
+            or reading[1].get_loop() is not asyncio.get_running_loop()
+        ):
+            reading = self._reading = (now, asyncio.ensure_future(self._fetch_roster(dht, now)))
+        roster = await asyncio.shield(reading[1])
         if self._reading is reading:
             self._reading = None
         return roster
 
-    async def _fetch_roster(self, dht: Any) -> Roster | None:
+    async def _fetch_roster(self, dht: Any, began: float) -> Roster | None:
         try:
             members = await dht.get(members_key(self.swarm), latest=True, return_future=True)
             revoked = await dht.get(revoked_key(self.swarm), latest=True, return_future=True)
@@ -444,5 +459,6 @@ class MemberGate:
             return None
         assert self.owner is not None
         roster = roster_of(members, revoked, self.owner)
-        self._roster = (time.monotonic() + ROSTER_TTL_S, roster)
+        if self._roster is None or self._roster[0] < began:
+            self._roster = (began, roster)
         return roster

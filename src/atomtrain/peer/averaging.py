@@ -100,7 +100,7 @@ from atomtrain.peer.exact import ExactAverageRunner
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.robust import RobustRunner
-from atomtrain.peer.sync import in_sync_flags, lower_median, smallest_group
+from atomtrain.peer.sync import in_sync_flags, lower_median
 from atomtrain.peer.traffic import (
     RECEIVED,
     SENT,
@@ -216,10 +216,6 @@ class ProbedAverager:
         self.kinds = [DELTA, PROBE]  # by the round layout's compression keys
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
-        # the smallest group this round's matchmaking closes (read by hivemind's process)
-        self._min_group: Any = mp.get_context("fork").Value("i", 2)
-        self._keyed = defence is not None and gate is not None and gate.signing_key is not None
-        self._target = target_group_size
         self._stalls: list[tuple[str, str]] = []
         self._agreements: list[tuple[str, str, float]] = []
         self.rejected_ids: set[str] = set()  # peer IDs (base58) rejected, as events came
@@ -242,7 +238,6 @@ class ProbedAverager:
             dht,
             # a member's round is scheduled at most this far from its group's (retries keep it)
             window_s=timeout_s + 2 * matchmaking_s,
-            min_group=self._min_group,
             attack=attack,
             prefix=prefix,
             start=True,
@@ -315,9 +310,6 @@ class ProbedAverager:
         self._discard.value = 0
         self._probe_in.fill_(self._probe)
         gather = {**info, "probe": self._probe, "weight": weight}
-        live = info.get("live", 1)
-        live = live if isinstance(live, int) and live > 0 else 1
-        self._min_group.value = max(2, smallest_group(live, self._keyed, self._target))
         if self.defence is not None:  # every reducer and auditor of the group uses its median
             gather["min_scale"] = self.defence.min_scale
         return self.averager.step(
@@ -522,13 +514,10 @@ class GuardedAverager(DecentralizedAverager):
         discard: Any,
         *args: Any,
         window_s: float = 60.0,
-        min_group: Any = None,
         attack: str = "",
         **kwargs: Any,
     ) -> None:
-        """`min_group`: a shared value, the smallest group this step's matchmaking closes."""
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._min_group = min_group
         self._traffic, self._discard = traffic, discard
         self._window_s, self._attack = window_s, attack
         self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
@@ -745,11 +734,6 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         self._guard_leaders()
-        matchmaking = getattr(self, "_matchmaking", None)
-        if matchmaking is not None and self._min_group is not None:
-            # no pair where the quorum needs three: a leader past its matchmaking time with one
-            # follower disbands and both look on, for the third, until the round's deadline
-            matchmaking.min_group_size = max(2, int(self._min_group.value))
         # a new round: one fewer to leave stalled members out of
         self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
         self._rounds += 1
