@@ -150,7 +150,8 @@ def test_the_gate_reads_the_roster_once_for_a_callers_many_checks(
     """A sybil identity asking again and again costs one read of the roster per ROSTER_TTL_S,
     shared by its checks waiting on it (read for each, the refusals slowed honest matchmaking);
     a caller first asking after that read began is checked against a new one (an honest peer
-    stores its certificate before it asks: a member admitted after the read is let in)."""
+    stores its certificate before it asks: a member admitted after the read is let in); a read
+    that found no roster is not kept."""
     key = SwarmKey(secrets.token_bytes(32))
     owner = Membership.of_owner(key, "owner", RSAPrivateKey())
     alice, alice_id = admit(key, tmp_path, "alice")
@@ -178,6 +179,12 @@ def test_the_gate_reads_the_roster_once_for_a_callers_many_checks(
         assert asyncio.run(checks(sybil, 1)) == [False] and counted.gets == 6
         monkeypatch.setattr(auth, "ROSTER_TTL_S", 0.0)  # the roster has aged: read anew
         assert asyncio.run(checks(sybil, 1)) == [False] and counted.gets == 8
+        # a read that found no certificate at all (this peer's own is always there) failed:
+        # kept, it would refuse every caller for a while; each check reads again
+        monkeypatch.setattr(auth, "ROSTER_TTL_S", 3600.0)
+        elsewhere = MemberGate(owner, "no-such-swarm")
+        assert asyncio.run(elsewhere.allows(counted, sybil)) is False and counted.gets == 10
+        assert asyncio.run(elsewhere.allows(counted, sybil)) is False and counted.gets == 12
     finally:
         for dht in others:
             dht.shutdown()

@@ -57,11 +57,13 @@ SELF_CERT_LIFETIME_S = 3600.0
 PROOF_TTL_S = 30.0
 """Members republish their certificate this often or sooner; the gate trusts a check this long."""
 ROSTER_TTL_S = 2.0
-"""The gate reuses a roster it read from the DHT for this long, for a caller asking since before
-that read began. An honest peer stores its certificate before it first asks anything, so such a
-read holds it; a caller no certificate names (a sybil identity) is refused from it. Read anew
-for every request, two DHT gets each, the refusals ate honest peers' matchmaking (bench attack's
-sybil: its two extra identities asked and were asked every round)."""
+"""The gate reuses a roster it read from the DHT for this long, for a caller that first asked
+before that read began. An honest peer stores its certificate before it first asks anything, so
+such a read holds it; a caller no certificate names (a sybil identity) is refused from it, and
+its requests share one read per ROSTER_TTL_S. Read anew for every request, two DHT gets each,
+the refusals ate honest peers' matchmaking (bench attack's sybil: its two extra identities asked
+and were asked every round). (A caller refused before its certificate could be read, which an
+honest peer's order of start-up avoids, is refused for up to this long after it can be.)"""
 SEEN_KEPT = 4096
 """Peer IDs whose first request the gate remembers; past that it forgets them all (each then
 costs one more read)."""
@@ -443,6 +445,7 @@ class MemberGate:
         if (
             reading is None
             or reading[0] < since
+            or reading[1].done()  # its roster is in self._roster, aged there (or it failed)
             or reading[1].get_loop() is not asyncio.get_running_loop()
         ):
             reading = self._reading = (now, asyncio.ensure_future(self._fetch_roster(dht, now)))
@@ -456,6 +459,8 @@ class MemberGate:
             members = await dht.get(members_key(self.swarm), latest=True, return_future=True)
             revoked = await dht.get(revoked_key(self.swarm), latest=True, return_future=True)
         except Exception:
+            return None
+        if members is None:  # a keyed swarm holds this peer's own certificate: the read failed
             return None
         assert self.owner is not None
         roster = roster_of(members, revoked, self.owner)

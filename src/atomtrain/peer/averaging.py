@@ -136,8 +136,9 @@ OPPOSED_ROUNDS = 2
 OPPOSED_WITHIN = 4
 """...within this peer's last this many rounds."""
 OPPOSED_EXCLUSION_ROUNDS = 16
-"""A member left out for opposing updates is left out of this peer's next this many rounds (twice
-as many at each repeat), not STALL_ROUNDS: opposing readings are what an attack sends, not what a
+"""A member left out for opposing updates is left out of this peer's next this many rounds (times
+2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
+STALL_ROUNDS: opposing readings are what an attack sends, not what a
 link failure does (honest pairs never read below -0.03 in 1,174 readings, bench attack at
 0b6f2ff), and once left out an attacker's own model drifts, so its updates read near 0 and no
 rule names it again. Let back after 2 rounds, it joined the first honest peer whose exclusion
@@ -558,8 +559,9 @@ class GuardedAverager(DecentralizedAverager):
             self._events.put((peer_id.to_base58(), why, "reject"))
 
     def _stall(self, peer_id: PeerID, why: str, first: int = STALL_ROUNDS) -> None:
-        """Leave `peer_id` out of the next rounds: `first` of them the first time, twice as many
-        at each stall remembered (exclusion_rounds, stalls_remembered)."""
+        """Leave `peer_id` out of the next rounds: `first` times 2 to the power of the
+        exclusions it is still remembered for, of any kind (exclusion_rounds,
+        stalls_remembered)."""
         if self._excluded(peer_id):
             return  # already named in this round
         self._events.put((peer_id.to_base58(), why, "stall"))
@@ -573,10 +575,10 @@ class GuardedAverager(DecentralizedAverager):
     def _agreement(self, peer_id: PeerID, cosine: float) -> None:
         """A member whose update opposed this peer's (robust.RobustRunner measures it in the
         span this peer reduces) in OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN rounds is
-        left out of the next OPPOSED_EXCLUSION_ROUNDS rounds (twice as many at each repeat), as
-        one that stalled is for fewer: its part only counts, clipped, for as
-        much as an honest one, but round after round it pulls the average back (a sign flip,
-        IPM). An agreeing round between does not clear the count (an attacker flipping every
+        left out of the next OPPOSED_EXCLUSION_ROUNDS rounds (doubled for each exclusion it is
+        still remembered for), as one that stalled is for fewer: its part only counts, clipped,
+        for as much as an honest one, but round after round it pulls the average back (a sign
+        flip, IPM). An agreeing round between does not clear the count (an attacker flipping every
         other round is still counted)."""
         self._events.put((peer_id.to_base58(), repr(float(cosine)), "agreement"))
         if cosine >= OPPOSED_COSINE or self._excluded(peer_id) or peer_id in self._gate.banned:

@@ -85,7 +85,7 @@ from atomtrain.peer.rounds import (
 )
 from atomtrain.peer.state import StateCheck, download_sources, resync_floor, swarm_schedule_step
 from atomtrain.peer.status import PeerStatus, publish, read_statuses
-from atomtrain.peer.sync import group_live, smallest_group
+from atomtrain.peer.sync import group_live, needed_in_sync
 from atomtrain.peer.traffic import RateMeter
 from atomtrain.peer.wire import WireMeter, daemon_meter
 from atomtrain.train.metrics import MetricsLog
@@ -828,7 +828,7 @@ class PeerRuntime:
             self._shift(0.0)
             self._start_resync(result)
             return
-        need = smallest_group(
+        need = needed_in_sync(
             group_live(result.peers),
             self.cfg.defend and self.membership is not None,
             self.cfg.target_group_size,

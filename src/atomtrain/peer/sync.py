@@ -73,11 +73,11 @@ def quorum(live_members: int, keyed: bool) -> int:
     return QUORUM if keyed and live_members >= QUORUM else 2
 
 
-def smallest_group(live_members: int, keyed: bool, target_group_size: int) -> int:
+def needed_in_sync(live_members: int, keyed: bool, target_group_size: int) -> int:
     """Members in sync a round needs to be applied (quorum), never more than a group holds.
-    (Tried and taken out: matchmaking closing no smaller group. A leader past its matchmaking
-    time with one follower then disbanded and both looked on; rounds of three took 7-12 s
-    instead of 2-3 s, and the quick scaling bench 173 s instead of 72.)"""
+    (Tried and taken out: hivemind's matchmaking closing no group smaller than this. A leader
+    past its matchmaking time with one follower then disbanded and both looked on; rounds of
+    three took 7-12 s instead of 2-3 s, and the quick scaling bench 173 s instead of 72.)"""
     return min(quorum(live_members, keyed), target_group_size)
 
 
