@@ -89,9 +89,15 @@ async def knock(victim: DHT, prefix: str) -> dict[str, object]:
             yield averaging_pb2.AveragingData(
                 code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g", weight=1.0
             )
+            # the stream stays open until the answer is read: a gate that refuses at once (its
+            # roster read already) hangs up before this client could write the stream's end,
+            # and that write's broken pipe ended the read before the answer
+            await answered.wait()
 
+        answered = asyncio.Event()
         part = await stub.rpc_aggregate_part(parts())
         part_code = (await part.__anext__()).code
+        answered.set()
         download = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         state_messages = [m async for m in download]
         return {"join": join_code, "part": part_code, "state_messages": len(state_messages)}
