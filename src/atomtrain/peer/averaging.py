@@ -138,12 +138,12 @@ OPPOSED_WITHIN = 4
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
-STALL_ROUNDS: opposing readings are what an attack sends, not what a
-link failure does (honest pairs never read below -0.03 in 1,174 readings, bench attack at
-0b6f2ff), and once left out an attacker's own model drifts, so its updates read near 0 and no
-rule names it again. Let back after 2 rounds, it joined the first honest peer whose exclusion
-had ended in pairs the quorum refuses, while the other two, still excluding it, met in pairs
-too (bench attack's sybil: 12-16 failed rounds per honest peer)."""
+STALL_ROUNDS: opposing readings are what an attack sends, not what a link failure does (honest
+pairs never read below -0.03 in 1,174 readings at 0b6f2ff, nor below -0.082 in 1,609 at
+85fd265, bench attack), and once left out an attacker's own model drifts, so its updates read
+near 0 and no rule names it again. Let back after 2 rounds, it joined the first honest peer
+whose exclusion had ended in pairs the quorum refuses, while the other two, still excluding it,
+met in pairs too (bench attack's sybil: 12-16 failed rounds per honest peer)."""
 register()  # the 4-bit codec, before any averager process starts
 
 CODECS: dict[str, tuple[Any, torch.dtype, float]] = {
