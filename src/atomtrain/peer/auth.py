@@ -64,6 +64,8 @@ its requests share one read per ROSTER_TTL_S. Read anew for every request, two D
 the refusals ate honest peers' matchmaking (bench attack's sybil: its two extra identities asked
 and were asked every round). (A caller refused before its certificate could be read, which an
 honest peer's order of start-up avoids, is refused for up to this long after it can be.)"""
+ROSTER_READ_S = 10.0
+"""A roster read that takes longer has failed: checks that share it are refused, not held."""
 SEEN_KEPT = 4096
 """Peer IDs whose first request the gate remembers; past that it forgets them all (each then
 costs one more read)."""
@@ -454,11 +456,15 @@ class MemberGate:
             self._reading = None
         return roster
 
+    async def _get_roster(self, dht: Any) -> tuple[Any, Any]:
+        members = await dht.get(members_key(self.swarm), latest=True, return_future=True)
+        revoked = await dht.get(revoked_key(self.swarm), latest=True, return_future=True)
+        return members, revoked
+
     async def _fetch_roster(self, dht: Any, began: float) -> Roster | None:
         try:
-            members = await dht.get(members_key(self.swarm), latest=True, return_future=True)
-            revoked = await dht.get(revoked_key(self.swarm), latest=True, return_future=True)
-        except Exception:
+            members, revoked = await asyncio.wait_for(self._get_roster(dht), ROSTER_READ_S)
+        except Exception:  # (a timeout too)
             return None
         if members is None:  # a keyed swarm holds this peer's own certificate: the read failed
             return None
