@@ -180,15 +180,23 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
         )
         for i in range(3)
     ]
+    # start-up may take the barrier's 120 s on a loaded machine, then 3 rounds; the deadline is
+    # under pytest's own timeout (300 s), so a hung peer's log still reaches the report
+    deadline = time.monotonic() + 240
     try:
-        for i, p in enumerate(procs):
-            try:  # start-up may take the barrier's 120 s on a loaded machine, then 3 rounds
-                out, _ = p.communicate(timeout=300)
+        outs = []
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
                 p.kill()
                 out, _ = p.communicate()
+                out += "\n[killed: past the test's 240 s deadline]"
+            outs.append(out)
+        for i, out in enumerate(outs):
             (tmp_path / f"log{i}.txt").write_text(out)  # for a failing test's post-mortem
-            assert p.returncode == 0, out[-3000:]
+        failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+        assert not failed, "\n".join(f"--- peer {i} ---\n{outs[i][-3000:]}" for i in failed)
     finally:
         for p in procs:
             if p.poll() is None:
