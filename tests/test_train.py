@@ -9,7 +9,9 @@ import torch
 from atomtrain.config import load_run_config
 from atomtrain.errors import AtomError
 from atomtrain.optim import AdamW, AdamWConfig
+from atomtrain.train.averaged import WARMUP, WeightAverage
 from atomtrain.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
+from atomtrain.train.loading import load_trained
 from atomtrain.train.metrics import read_metrics
 from atomtrain.train.session import open_session
 
@@ -65,15 +67,16 @@ def params_of(session) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in session.model.named_parameters()}
 
 
-def test_resume_continues_exactly(prepared: Path, tmp_path: Path):
-    whole = open_session(config(prepared, tmp_path / "a", "--train.steps=20"))
+@pytest.mark.parametrize("ema", [[], ["--train.ema=0.9"]], ids=["weights", "weight-average"])
+def test_resume_continues_exactly(prepared: Path, tmp_path: Path, ema: list[str]):
+    whole = open_session(config(prepared, tmp_path / "a", "--train.steps=20", *ema))
     whole.trainer.fit()
-    first = open_session(config(prepared, tmp_path / "b", "--train.steps=20"))
+    first = open_session(config(prepared, tmp_path / "b", "--train.steps=20", *ema))
     first.trainer.after_step = lambda st, rec: st.step == 10 and first.trainer.stop.set()
     first.trainer.fit()
     assert first.trainer.state.step == 10
     resumed = open_session(
-        config(prepared, tmp_path / "b", "--train.steps=20"), resume=first.run_dir
+        config(prepared, tmp_path / "b", "--train.steps=20", *ema), resume=first.run_dir
     )
     assert resumed.trainer.state.step == 10
     resumed.trainer.fit()
@@ -84,6 +87,55 @@ def test_resume_continues_exactly(prepared: Path, tmp_path: Path):
     pa, pb = params_of(whole), params_of(resumed)
     for name in pa:
         assert torch.equal(pa[name], pb[name]), name
+    if ema:  # the average was saved and taken back, not restarted from the resumed weights
+        assert whole.trainer.average and resumed.trainer.average
+        assert resumed.trainer.average.updates == 20
+        for name, s in whole.trainer.average.shadow.items():
+            assert torch.equal(s, resumed.trainer.average.shadow[name]), name
+
+
+def test_weight_average_follows_its_formula_and_swaps_in_place():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    params = dict(model.named_parameters())
+    average = WeightAverage(params, 0.9)
+    expected = {n: p.detach().clone() for n, p in params.items()}
+    objects = {n: (p, p.data_ptr()) for n, p in params.items()}
+    for t in range(1, 30):
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(torch.randn_like(p))
+        decay = min(0.9, (1 + t) / (WARMUP + t))
+        for n, p in params.items():
+            expected[n] = decay * expected[n] + (1 - decay) * p.detach()
+        average.update(params)
+    now = {n: p.detach().clone() for n, p in params.items()}
+    for n in params:
+        torch.testing.assert_close(average.shadow[n], expected[n], rtol=1e-6, atol=1e-6)
+    with average.swapped_in(params):
+        for n, p in params.items():  # the same tensors (optimizers, engines keep them)
+            assert p is objects[n][0] and p.data_ptr() == objects[n][1]
+            torch.testing.assert_close(p.detach(), expected[n], rtol=1e-6, atol=1e-6)
+    for n, p in params.items():  # and their own values after, bit for bit
+        assert torch.equal(p, now[n])
+        torch.testing.assert_close(average.shadow[n], expected[n], rtol=1e-6, atol=1e-6)
+
+
+def test_a_run_with_a_weight_average_validates_and_exports_the_average(
+    prepared: Path, tmp_path: Path
+):
+    """What the run reports as its validation loss is the loss of the model `export`, `sample`
+    and `serve` load from its checkpoint (the average), not of the weights it trained."""
+    session = open_session(config(prepared, tmp_path, "--train.steps=30", "--train.ema=0.9"))
+    session.trainer.fit()
+    reported = session.trainer.evaluate()
+    model, _, _ = load_trained(session.run_dir)
+    batches = session.trainer.val_batches
+    with torch.no_grad():
+        loaded = sum(float(model(x, y)[1]) for x, y in batches) / len(batches)
+    assert loaded == pytest.approx(reported, rel=1e-5)
+    raw = session.trainer._validate()  # the trained weights themselves: another model
+    assert raw != pytest.approx(reported, rel=1e-5)
 
 
 def test_checkpoint_is_checked_before_use(prepared: Path, tmp_path: Path):

@@ -128,6 +128,8 @@ def test_refused_train_leaves_no_run_behind(atom, tmp_path: Path, prepared: Path
         (["train", "--serve", "70000"], "--serve"),
         (["train", "--serve", "-1"], "--serve"),
         (["train", "--train.steps=1e400"], "train.steps"),
+        (["train", "--train.ema=1"], "train.ema"),
+        (["train", "--train.ema=nan"], "train.ema"),
         (["train", "--run.name=../escape"], "run.name"),
         (["data", "prepare", "stdlib", "out", "--tokenizer", "bpe", "--vocab-size", "-5"], "vocab"),
     ],

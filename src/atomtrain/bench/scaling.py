@@ -86,6 +86,11 @@ class ScalingBenchConfig:
     """Every system's learning rate, constant (min_lr the same). Checked against the neighbours
     a user would try (seed 0, 2ffade1): at 1.41e-3 the single peer needed 1200 steps, as at
     2e-3, and atom_2 1100 (1050 at 2e-3); at 2.83e-3 (decaying to 2e-3) atom_2 needed 1700."""
+    ema: float = 0.98
+    """Every system validates the moving average of its weights (`--train.ema`), as a user of
+    a constant learning rate would: the weights themselves carry each step's noise, and a
+    validation loss that swings by 0.05 between evaluations makes the time it first crosses the
+    target a matter of luck. Swarm peers average their own local weights the same way."""
     eval_interval: int = 50
     """Steps between validations, for every system (about 7% of a peer's compute)."""
     eval_batches: int = 16
@@ -157,6 +162,7 @@ def common_train_args(
         "--train.warmup_steps=10",
         f"--train.lr={cfg.lr}",
         f"--train.min_lr={cfg.lr}",  # a constant rate: no schedule tied to a step count
+        f"--train.ema={cfg.ema}",
         "--train.checkpoint_interval=1000000",
         f"--model.preset={cfg.preset}",
     ]
@@ -299,6 +305,8 @@ def run_baseline(
 def check(cfg: ScalingBenchConfig) -> None:
     if not cfg.peers or min(cfg.peers) < 2 or len(set(cfg.peers)) != len(cfg.peers):
         raise AtomError(f"peers: distinct swarm sizes of 2 or more, got {cfg.peers}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)) or not 0 <= cfg.ema < 1:
+        raise AtomError(f"lr must be positive and ema in [0, 1), got {cfg.lr} and {cfg.ema}")
     if cfg.seeds < 1 or cfg.budget_s <= 0 or cfg.baseline_budget_s <= 0:
         raise AtomError("seeds must be >= 1 and budget_s, baseline_budget_s > 0")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -151,22 +152,24 @@ def _report(args: argparse.Namespace, cfg: RunConfig, session: Session) -> int:
     )
     val = trainer.evaluate()
     first = _first_val_loss(session.run_dir)
+    of = " (of the weight average, train.ema)" if trainer.average is not None else ""
     print(
-        f"validation loss: {first:.3f} -> {val:.3f}"
+        f"validation loss{of}: {first:.3f} -> {val:.3f}"
         if first is not None
-        else f"validation loss: {val:.3f}"
+        else f"validation loss{of}: {val:.3f}"
     )
     if not args.no_sample:
-        model = session.model
-        trainer.runner.host_parameters()  # waits for any optimizer step still running
-        text = sample_text(
-            model,
-            session.shards.tokenizer,
-            prompt="def ",
-            max_new_tokens=200,
-            temperature=0.8,
-            top_k=40,
-        )
+        params = trainer.runner.host_parameters()  # waits for any optimizer step still running
+        averaged = trainer.average.swapped_in(params) if trainer.average else nullcontext()
+        with averaged:
+            text = sample_text(
+                session.model,
+                session.shards.tokenizer,
+                prompt="def ",
+                max_new_tokens=200,
+                temperature=0.8,
+                top_k=40,
+            )
         print("sample:\n" + text)
     print(f"checkpoint: {trainer.save()}")
     print(f"loss plot: {plot}")

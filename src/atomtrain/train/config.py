@@ -36,6 +36,10 @@ class TrainConfig:
     """Most recent checkpoints kept on disk."""
     seed: int = 0
     """Seed of the initial weights and of dropout."""
+    ema: float = 0.0
+    """Decay of a moving average of the weights kept beside them (0: none; 0.98 averages about
+    the last 50 steps). With it, validation losses are the average's, checkpoints carry it and
+    `export` and `sample` use it: train/averaged.py."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -54,6 +58,8 @@ class TrainConfig:
                 f"train.lr must be positive and train.min_lr in [0, lr], "
                 f"got lr={self.lr}, min_lr={self.min_lr}"
             )
+        if not 0.0 <= self.ema < 1.0:
+            raise AtomError(f"train.ema must be in [0, 1), got {self.ema}")
         if self.warmup_steps < 0 or self.grad_clip < 0 or self.eval_rows < 0:
             raise AtomError(
                 "train.warmup_steps, train.grad_clip and train.eval_rows must not be negative"

@@ -11,6 +11,7 @@ from torch import nn
 from atomtrain.data.tokenizer import Tokenizer, tokenizer_from_spec
 from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
+from atomtrain.train.averaged import averaged_params
 from atomtrain.train.checkpoint import check_matches, load_checkpoint
 from atomtrain.train.session import resolve_resume
 
@@ -50,8 +51,12 @@ def load_trained(path: Path) -> tuple[nn.Module, Tokenizer, Path]:
     model = _empty_model(ckpt.state["model"], ckpt_path)
     params = dict(model.named_parameters())
     check_matches(ckpt, params)
+    # a run with a weight average (train.ema) validated the average: that is its model
+    weights = averaged_params(ckpt.params, ckpt.extra) or ckpt.params
     with torch.no_grad():
         for name, p in params.items():
-            p.copy_(ckpt.params[name])
+            if weights[name].shape != p.shape:
+                raise AtomError(f"checkpoint {ckpt_path}: {name} has another shape")
+            p.copy_(weights[name])
     model.eval()
     return model, tokenizer_from_spec(spec), ckpt_path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -32,6 +33,7 @@ from atomtrain.data import (
 from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW
+from atomtrain.train.averaged import WeightAverage
 from atomtrain.train.checkpoint import (
     FILES as CHECKPOINT_FILES,
 )
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
     from atomtrain.engine.compiled import CompileConfig
     from atomtrain.models.hf import HFCausalLM
     from atomtrain.peer.runtime import PeerRuntime
+
+log = logging.getLogger(__name__)
 
 RunnerFactory = Callable[[nn.Module, AdamW, RunConfig, torch.device], StepRunner]
 
@@ -375,6 +379,12 @@ def open_session(
         checkpoint_extra=described,
         tensorboard=cfg.log.tensorboard,
     )
+    if cfg.train.ema:
+        trainer.average = WeightAverage(runner.host_parameters(), cfg.train.ema)
+        if ckpt is not None and not trainer.average.load(
+            ckpt.extra, int(ckpt.state.get("ema_updates", 0))
+        ):
+            log.warning("%s has no weight average: it starts from the resumed weights", ckpt.path)
     session = Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)
     if cfg.peer.swarm:
         attach_peer(session, ckpt)

@@ -16,6 +16,7 @@ import torch
 
 from atomtrain.data.loader import TrainLoader
 from atomtrain.data.reuse import EchoingLoader
+from atomtrain.train.averaged import WeightAverage
 from atomtrain.train.checkpoint import checkpoint_name, prune_checkpoints, save_checkpoint
 from atomtrain.train.config import TrainConfig, lr_at
 from atomtrain.train.metrics import MetricsLog
@@ -60,12 +61,22 @@ class Trainer:
 
     tensorboard: bool = False
     """Also write TensorBoard event files to run_dir/tensorboard."""
+    average: WeightAverage | None = None
+    """The weights' moving average (`train.ema`): updated after each step (a swarm round
+    included), validated in place of the weights, saved with them."""
 
     def __post_init__(self) -> None:
         board = self.run_dir / "tensorboard" if self.tensorboard else None
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", board)
 
     def evaluate(self) -> float:
+        """The mean validation loss of the weights, or of their moving average with one."""
+        if self.average is None:
+            return self._validate()
+        with self.average.swapped_in(self.runner.host_parameters()):
+            return self._validate()
+
+    def _validate(self) -> float:
         losses = [self.runner.eval_loss(x, y) for x, y in self.val_batches]
         return sum(losses) / max(len(losses), 1)
 
@@ -82,6 +93,8 @@ class Trainer:
             record["elapsed_s"] = elapsed
             if self.after_step:
                 self.after_step(self.state, record)
+            if self.average is not None:
+                self.average.update(self.runner.host_parameters())
             last = self.state.step == self.cfg.steps
             if self.state.step % self.cfg.eval_interval == 0 or last:
                 t_eval = time.perf_counter()
@@ -144,6 +157,9 @@ class Trainer:
         if self.extra_state is not None:
             fields, tensors = self.extra_state()
             state.update(fields)
+        if self.average is not None:
+            tensors = {**tensors, **self.average.state()}
+            state["ema_updates"] = self.average.updates
         save_checkpoint(
             path,
             self.runner.host_parameters(),
