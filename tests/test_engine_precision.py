@@ -91,3 +91,34 @@ def test_fp16_loss_scale_halves_on_overflow_and_the_step_is_skipped():
 def test_unknown_precision_is_refused():
     with pytest.raises(AtomError, match="engine.precision"):
         LossScaler.for_precision("fp8")
+
+
+def test_the_weight_average_swapped_in_is_what_a_16_bit_engine_evaluates():
+    """The engine loads low-precision staging copies of the masters (param_dtype): after the
+    average is exchanged into the masters, an evaluation must read it, not the old copies."""
+    from atomtrain.train.averaged import WeightAverage
+
+    model = gpt()
+    initial = copy.deepcopy(model)
+    cfg = EngineConfig(budget_bytes=1 << 30, param_dtype="bfloat16", precision="bf16")
+    swap = SwapRunner(
+        SwapEngine(model, PLAN, cfg, CPU),
+        AdamW(dict(model.named_parameters()), AdamWConfig()),
+        8,
+        1.0,
+    )
+    average = WeightAverage(swap.host_parameters(), 0.99)  # the initial weights, kept so
+    data = batches(4) * 3
+    for x, y in data:
+        swap.train_step(x, y, lr=3e-3)
+    x, y = data[0]
+    trained = swap.eval_loss(x, y)
+    reference = PlainRunner(
+        initial, AdamW(dict(initial.named_parameters()), AdamWConfig()), 8, 1.0, CPU
+    )
+    with average.swapped_in(swap.host_parameters(), swap.parameters_written):
+        averaged = swap.eval_loss(x, y)
+    assert averaged == pytest.approx(reference.eval_loss(x, y), rel=0.01)
+    assert abs(averaged - trained) > 0.1  # the trained weights are another model
+    assert swap.eval_loss(x, y) == trained  # and back after the block
+    swap.close()

@@ -180,7 +180,13 @@ def test_the_prediction_counts_the_outer_part_and_the_shared_link():
 
 
 def test_host_memory_is_checked_with_a_one_line_answer():
-    from atomtrain.planner.host import HostSpec, check_host_memory, host_memory_line
+    from atomtrain.planner.host import (
+        HostSpec,
+        check_host_memory,
+        host_memory_line,
+        host_need,
+        num_params,
+    )
 
     cfg = GPTConfig.from_name("gpt3-175b")
     prof = analytic_profile(cfg, 1, 2048, DeviceSpec(80 * 10**9))
@@ -191,6 +197,11 @@ def test_host_memory_is_checked_with_a_one_line_answer():
     with pytest.raises(AtomError, match=r"host memory: needs 2\.9 TiB .* short"):
         check_host_memory(prof, plan, small)
     check_host_memory(prof, plan, HostSpec(4 * 10**12, device_itemsize=2))  # fits: no error
+    # a weight average (train.ema) is one more float32 copy of the model: 175e9 x 4 bytes
+    averaged = HostSpec(4 * 10**12, device_itemsize=2, weight_average=True)
+    grown = host_need(prof, plan, averaged).total_bytes - host_need(prof, plan, small).total_bytes
+    assert grown == num_params(prof, 2) * 4 and 0.17e12 * 4 < grown < 0.18e12 * 4
+    assert "weight average 6" in host_memory_line(prof, plan, averaged)
 
 
 def test_atomtrain_plan_sizes_a_model_without_torch():

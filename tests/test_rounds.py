@@ -473,14 +473,20 @@ def test_a_finisher_whose_last_round_did_not_land_ends_on_the_state_the_others_t
     params = {"w": torch.randn(50, generator=g), "b": torch.randn(7, generator=g)}
     pieces = cut_pieces({n: p.numel() for n, p in params.items()}, pieces_hint=4)
     theta = flatten(params, pieces) - 0.3  # the local progress since the last round: 0.3
+    told: list[str] = []
     peer = SimpleNamespace(
-        runner=SimpleNamespace(host_parameters=lambda: params),
+        runner=SimpleNamespace(
+            host_parameters=lambda: params, parameters_written=lambda: told.append("runner")
+        ),
         pieces=pieces,
         theta_sync=theta,
         lock=threading.Lock(),
+        on_replaced=lambda: told.append("trainer"),
     )
     PeerRuntime.end_on_sync(peer)
     assert torch.equal(flatten(params, pieces), theta)
+    # the runner derives its copies again; the trainer's weight average restarts from here
+    assert told == ["runner", "trainer"]
 
 
 def test_an_overlapped_round_trains_on_from_its_share_and_lands_where_the_plain_rule_does():

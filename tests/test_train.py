@@ -9,7 +9,7 @@ import torch
 from atomtrain.config import load_run_config
 from atomtrain.errors import AtomError
 from atomtrain.optim import AdamW, AdamWConfig
-from atomtrain.train.averaged import WARMUP, WeightAverage
+from atomtrain.train.averaged import WARMUP, WeightAverage, saved_average
 from atomtrain.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from atomtrain.train.loading import load_trained
 from atomtrain.train.metrics import read_metrics
@@ -196,3 +196,22 @@ def test_tensorboard_event_files_hold_the_same_numbers_as_metrics_jsonl(
     assert all(abs(losses[k] - want[k]) <= 1e-6 * abs(want[k]) for k in want)
     vals = [e.step for e in events.Scalars("val/val_loss")]
     assert vals == [r["step"] for r in records if "val_loss" in r]
+
+
+def test_a_saved_average_for_other_parameters_is_refused_by_name():
+    params = dict(torch.nn.Linear(4, 3).named_parameters())
+    good = {f"ema/{n}": p.detach().clone() for n, p in params.items()}
+    assert saved_average({"peer/theta_sync": torch.zeros(3)}, params, "c") is None  # none saved
+    assert set(saved_average(good, params, "c") or {}) == {"weight", "bias"}
+    with pytest.raises(AtomError, match="weight average .ema/. does not match 'bias'"):
+        saved_average({"ema/weight": good["ema/weight"]}, params, "c")  # one missing
+    with pytest.raises(AtomError, match="weight average .ema/. does not match 'other'"):
+        saved_average({**good, "ema/other": torch.zeros(1)}, params, "c")
+    with pytest.raises(AtomError, match="weight average of 'bias' is \\(4,\\)"):
+        saved_average({**good, "ema/bias": torch.zeros(4)}, params, "c")
+    average = WeightAverage(params, 0.9)
+    with torch.no_grad():
+        params["weight"].add_(1.0)
+    average.update(params)
+    average.restart(params)  # the weights were replaced: the average starts from them
+    assert average.updates == 0 and torch.equal(average.shadow["weight"], params["weight"])

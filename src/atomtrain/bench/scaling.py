@@ -142,7 +142,8 @@ def common_train_args(
     cfg: ScalingBenchConfig, data: Path, seed: int, out: Path, batches: int = 1
 ) -> list[str]:
     """`atomtrain train`'s arguments for every system, with `batches` times the peers' batch
-    (`ideal_N`)."""
+    (`ideal_N`, whose weight average decays `batches` times per step: it spans as many training
+    windows as everyone else's)."""
     rows = cfg.rows * batches
     return [
         "train",
@@ -162,7 +163,7 @@ def common_train_args(
         "--train.warmup_steps=10",
         f"--train.lr={cfg.lr}",
         f"--train.min_lr={cfg.lr}",  # a constant rate: no schedule tied to a step count
-        f"--train.ema={cfg.ema}",
+        f"--train.ema={cfg.ema**batches}",
         "--train.checkpoint_interval=1000000",
         f"--model.preset={cfg.preset}",
     ]

@@ -120,7 +120,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--baseline-budget-s", type=float, default=0.0, help="budget of DDP, pipeline")
     s.add_argument("--sync-every", default="", help="the peers' --peer.sync_every (auto or N)")
     s.add_argument("--compression", default="", help="the peers' --peer.compression")
-    s.add_argument("--lr", type=float, default=0.0, help="every system's learning rate")
+    s.add_argument("--lr", type=float, default=None, help="every system's learning rate")
     s.add_argument(
         "--ema",
         type=float,
@@ -313,11 +313,10 @@ def run_scaling(args: argparse.Namespace, _extra: list[str]) -> int:
         "baseline_budget_s": args.baseline_budget_s,
         "sync_every": args.sync_every,
         "compression": args.compression,
-        "lr": args.lr,
     }
     cfg = replace(cfg, **{k: v for k, v in given.items() if v})
-    if args.ema is not None:
-        cfg = replace(cfg, ema=args.ema)
+    exact = {"lr": args.lr, "ema": args.ema}  # 0 is a value here, not "the default"
+    cfg = replace(cfg, **{k: v for k, v in exact.items() if v is not None})
     if args.no_ceiling:
         cfg = replace(cfg, ceiling=False)
 

@@ -53,7 +53,10 @@ def choose_plan(model: nn.Module, cfg: RunConfig, device: torch.device) -> Execu
     )
     pred = predict(prof, plan, micro_batches)
     itemsize = torch.empty((), dtype=DTYPES[ec.param_dtype]).element_size()
-    check_host_memory(prof, plan, HostSpec(machine_memory_bytes(), device_itemsize=itemsize))
+    host = HostSpec(
+        machine_memory_bytes(), device_itemsize=itemsize, weight_average=cfg.train.ema > 0
+    )
+    check_host_memory(prof, plan, host)
     log.info(
         "plan: %s, %d micro-batches per load; predicted step %.3fs (bound %.3fs), "
         "peak %d of %d bytes",

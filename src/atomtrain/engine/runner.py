@@ -115,6 +115,12 @@ class SwapRunner:
         self.sync()
         return dict(self.engine.model.named_parameters())
 
+    def parameters_written(self) -> None:
+        """Low-precision staging copies (engine.param_dtype) are what loads copy from: an
+        evaluation or a step after the masters were written elsewhere must not read old ones."""
+        self.sync()
+        self.engine.refresh_staging(list(self.engine.host_params))
+
     def close(self) -> None:
         self.sync()
         self.pool.shutdown(wait=True)

@@ -33,6 +33,7 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,10 @@ class PeerRuntime:
         self.rejected: dict[str, str] = {}  # peers whose contributions were rejected: why
         self.outer = OuterNesterov(self.numel, cfg.outer_lr, cfg.outer_momentum)
         self.lock = threading.Lock()  # theta_sync, momentum, round: training vs state serving
+        self.on_replaced: Callable[[], None] = lambda: None
+        """Called when the model's weights were replaced rather than moved by a round (a state
+        downloaded, the swarm's last round, the end on the synchronized state): the trainer
+        restarts its weight average from them."""
         self.round = 0
         self.failed_rounds = 0
         self.round_tokens = 0
@@ -587,6 +592,9 @@ class PeerRuntime:
             self.round = int(meta["round"])
             self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
+        if mode != "resume":
+            self.runner.parameters_written()
+            self.on_replaced()
         if mode != "resume" and self.train_state is not None:
             # the learning-rate schedule follows the swarm's progress, not this peer's steps:
             # where the live members' schedules stand, not where the serving peer says
@@ -785,6 +793,7 @@ class PeerRuntime:
                 self._share if undo else share,
                 undo=undo,
             )
+        self.runner.parameters_written()
         self._share = share
 
     def _poll(self, record: dict[str, Any], wait: bool) -> None:
@@ -871,6 +880,9 @@ class PeerRuntime:
             self.round += 1
             self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
+        self.runner.parameters_written()
+        if self._final:  # the model every finisher ends with: not to be averaged with the last
+            self.on_replaced()
         self.steps_since_round -= self._round_steps  # steps made meanwhile count for the next
         self.round_tokens -= self._round_tokens
         self.last_sync = time.time()
@@ -1022,6 +1034,8 @@ class PeerRuntime:
             for piece in self.pieces:
                 x = param_slice(params, piece)
                 x.copy_(self.theta_sync[piece.offset : piece.offset + piece.numel].to(x))
+        self.runner.parameters_written()
+        self.on_replaced()
 
     def _live_members(self) -> int:
         """This peer and the live others that could take part in its rounds (as the status

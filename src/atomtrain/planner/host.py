@@ -35,6 +35,8 @@ class HostSpec:
     from the profile's byte figures."""
     pinned_pool_bytes: int = 0
     """Pinned transfer buffers the engine keeps."""
+    weight_average: bool = False
+    """A float32 moving average of the weights beside the masters (train.ema)."""
 
 
 def machine_memory_bytes() -> int:
@@ -52,10 +54,17 @@ class HostNeed:
     staging_bytes: int
     offloaded_bytes: int
     pinned_bytes: int
+    average_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.masters_bytes + self.staging_bytes + self.offloaded_bytes + self.pinned_bytes
+        return (
+            self.masters_bytes
+            + self.staging_bytes
+            + self.offloaded_bytes
+            + self.pinned_bytes
+            + self.average_bytes
+        )
 
 
 def host_need(prof: ModelProfile, plan: ExecutionPlan, host: HostSpec) -> HostNeed:
@@ -67,7 +76,8 @@ def host_need(prof: ModelProfile, plan: ExecutionPlan, host: HostSpec) -> HostNe
         if s.policy is Policy.OFFLOAD
     )
     staging = n * host.device_itemsize if host.device_itemsize < 4 else 0
-    return HostNeed(n * MASTER_BYTES_PER_PARAM, staging, offloaded, host.pinned_pool_bytes)
+    average = n * 4 if host.weight_average else 0
+    return HostNeed(n * MASTER_BYTES_PER_PARAM, staging, offloaded, host.pinned_pool_bytes, average)
 
 
 def host_memory_line(prof: ModelProfile, plan: ExecutionPlan, host: HostSpec) -> str:
@@ -80,6 +90,8 @@ def host_memory_line(prof: ModelProfile, plan: ExecutionPlan, host: HostSpec) ->
         parts += f", offloaded activations {fmt_bytes(need.offloaded_bytes)}"
     if need.pinned_bytes:
         parts += f", pinned buffers {fmt_bytes(need.pinned_bytes)}"
+    if need.average_bytes:
+        parts += f", weight average {fmt_bytes(need.average_bytes)}"
     verdict = (
         "fits"
         if need.total_bytes <= host.memory_bytes

@@ -9,7 +9,7 @@ curve. The average lives beside the master parameters, on their device, one copy
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -33,6 +33,9 @@ class WeightAverage:
         self.decay = decay
         self.updates = 0
         self.shadow = {n: p.detach().clone() for n, p in params.items() if p.is_floating_point()}
+        starts = {p.data_ptr() for n, p in params.items() if n in self.shadow}
+        if len(starts) != len(self.shadow):  # a double exchange would leave the average in
+            raise AtomError("train.ema: two parameters share memory (tie them as one parameter)")
         self._spare: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         for s in self.shadow.values():  # one buffer per kind, the size of its largest tensor
             kind = (s.dtype, s.device)
@@ -46,16 +49,29 @@ class WeightAverage:
         for name, s in self.shadow.items():
             s.lerp_(params[name].detach(), 1.0 - decay)
 
+    @torch.no_grad()
+    def restart(self, params: dict[str, torch.Tensor]) -> None:
+        """Start again from `params`: the weights were replaced (a swarm's state downloaded, the
+        swarm's last round), and an average of the old and new ones is neither."""
+        for name, s in self.shadow.items():
+            s.copy_(params[name])
+        self.updates = 0
+
     @contextmanager
-    def swapped_in(self, params: dict[str, torch.Tensor]) -> Iterator[None]:
+    def swapped_in(
+        self, params: dict[str, torch.Tensor], written: Callable[[], None] = lambda: None
+    ) -> Iterator[None]:
         """The parameters hold the average inside the block (and their own values again after
         it): whatever reads the masters (a validation pass, the swap engine) reads the average.
-        Exchanged in place, so every reference to a parameter stays valid."""
+        Exchanged in place, so every reference to a parameter stays valid; `written` is called
+        after each exchange (the runner's `parameters_written`)."""
         self._exchange(params)
         try:
+            written()
             yield
         finally:
             self._exchange(params)
+            written()
 
     @torch.no_grad()
     def _exchange(self, params: dict[str, torch.Tensor]) -> None:
@@ -70,29 +86,31 @@ class WeightAverage:
         """Checkpoint tensors: the average, by parameter name under `ema/`."""
         return {PREFIX + n: s for n, s in self.shadow.items()}
 
-    def load(self, tensors: dict[str, torch.Tensor], updates: int) -> bool:
-        """Take a checkpoint's average; False (nothing taken) when it has none, so the average
-        starts from the resumed weights. One of another shape is an error."""
-        found = {n[len(PREFIX) :]: t for n, t in tensors.items() if n.startswith(PREFIX)}
-        if not found:
-            return False
-        if set(found) != set(self.shadow):
-            raise AtomError("checkpoint's weight average (ema/) names other parameters")
+    @torch.no_grad()
+    def take(self, found: dict[str, torch.Tensor], updates: int) -> None:
+        """A checkpoint's average, as `saved_average` returned it."""
         for name, s in self.shadow.items():
-            if found[name].shape != s.shape:
-                raise AtomError(f"checkpoint's weight average of {name} has another shape")
-        with torch.no_grad():
-            for name, s in self.shadow.items():
-                s.copy_(found[name])
+            s.copy_(found[name])
         self.updates = updates
-        return True
 
 
-def averaged_params(
-    params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
+def saved_average(
+    tensors: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], where: object
 ) -> dict[str, torch.Tensor] | None:
-    """A checkpoint's weight average as parameters (name -> tensor), or None without one."""
+    """A checkpoint's weight average (its `ema/` tensors), checked against the model's
+    parameters: by name, one for every floating-point parameter, each of its shape. None when the
+    checkpoint has none."""
     found = {n[len(PREFIX) :]: t for n, t in tensors.items() if n.startswith(PREFIX)}
     if not found:
         return None
-    return {n: found.get(n, p) for n, p in params.items()}
+    expected = {n for n, p in params.items() if p.is_floating_point()}
+    if set(found) != expected:
+        odd = sorted(set(found) ^ expected)[0]
+        raise AtomError(f"checkpoint {where}: its weight average ({PREFIX}) does not match {odd!r}")
+    for name, t in found.items():
+        if t.shape != params[name].shape:
+            raise AtomError(
+                f"checkpoint {where}: its weight average of {name!r} is {tuple(t.shape)}, "
+                f"the model's {tuple(params[name].shape)}"
+            )
+    return found

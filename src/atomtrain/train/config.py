@@ -39,7 +39,9 @@ class TrainConfig:
     ema: float = 0.0
     """Decay of a moving average of the weights kept beside them (0: none; 0.98 averages about
     the last 50 steps). With it, validation losses are the average's, checkpoints carry it and
-    `export` and `sample` use it: train/averaged.py."""
+    `export` and `sample` use it: train/averaged.py. It costs one float32 copy of the model
+    (counted by the swap engine's host check) and a pass over it per step; with the swap engine
+    that pass waits for the host optimizer's step, which the next forward would overlap."""
 
     def __post_init__(self) -> None:
         positive = (

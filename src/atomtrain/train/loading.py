@@ -11,7 +11,7 @@ from torch import nn
 from atomtrain.data.tokenizer import Tokenizer, tokenizer_from_spec
 from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
-from atomtrain.train.averaged import averaged_params
+from atomtrain.train.averaged import saved_average
 from atomtrain.train.checkpoint import check_matches, load_checkpoint
 from atomtrain.train.session import resolve_resume
 
@@ -52,11 +52,9 @@ def load_trained(path: Path) -> tuple[nn.Module, Tokenizer, Path]:
     params = dict(model.named_parameters())
     check_matches(ckpt, params)
     # a run with a weight average (train.ema) validated the average: that is its model
-    weights = averaged_params(ckpt.params, ckpt.extra) or ckpt.params
+    average = saved_average(ckpt.extra, params, ckpt_path) or {}
     with torch.no_grad():
         for name, p in params.items():
-            if weights[name].shape != p.shape:
-                raise AtomError(f"checkpoint {ckpt_path}: {name} has another shape")
-            p.copy_(weights[name])
+            p.copy_(average.get(name, ckpt.params[name]))
     model.eval()
     return model, tokenizer_from_spec(spec), ckpt_path

@@ -30,6 +30,11 @@ class StepRunner(Protocol):
         """The master parameters, by name, as checkpoints store them."""
         ...
 
+    def parameters_written(self) -> None:
+        """The masters were written outside an optimizer step (a swarm round, a download, the
+        weight average swapped in): whatever the runner derives from them is derived again."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -85,6 +90,9 @@ class PlainRunner:
 
     def host_parameters(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
+
+    def parameters_written(self) -> None:
+        pass  # the model computes from its parameters themselves
 
     def close(self) -> None:
         pass

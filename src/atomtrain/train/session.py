@@ -33,7 +33,7 @@ from atomtrain.data import (
 from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW
-from atomtrain.train.averaged import WeightAverage
+from atomtrain.train.averaged import WeightAverage, saved_average
 from atomtrain.train.checkpoint import (
     FILES as CHECKPOINT_FILES,
 )
@@ -337,8 +337,11 @@ def open_session(
         else TrainLoader(sampler)
     )
     state = TrainState()
+    saved = None
     if ckpt is not None:
         check_matches(ckpt, params)
+        if cfg.train.ema:  # refused here, before anything is written
+            saved = saved_average(ckpt.extra, params, ckpt.path)
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(ckpt.params[name])
@@ -381,9 +384,9 @@ def open_session(
     )
     if cfg.train.ema:
         trainer.average = WeightAverage(runner.host_parameters(), cfg.train.ema)
-        if ckpt is not None and not trainer.average.load(
-            ckpt.extra, int(ckpt.state.get("ema_updates", 0))
-        ):
+        if saved is not None:
+            trainer.average.take(saved, int(ckpt.state.get("ema_updates", 0)) if ckpt else 0)
+        elif ckpt is not None:
             log.warning("%s has no weight average: it starts from the resumed weights", ckpt.path)
     session = Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)
     if cfg.peer.swarm:
@@ -433,6 +436,7 @@ def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
         )  # type: ignore[assignment]
     session.trainer.after_step = peer.after_step
     session.trainer.extra_state = peer.extra_state
+    peer.on_replaced = session.trainer.restart_average
     session.peer = peer
     if ckpt is not None and "peer/theta_sync" in ckpt.extra:
         session.resumed_peer_state = {

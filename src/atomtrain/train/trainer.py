@@ -73,8 +73,15 @@ class Trainer:
         """The mean validation loss of the weights, or of their moving average with one."""
         if self.average is None:
             return self._validate()
-        with self.average.swapped_in(self.runner.host_parameters()):
+        params = self.runner.host_parameters()
+        with self.average.swapped_in(params, self.runner.parameters_written):
             return self._validate()
+
+    def restart_average(self) -> None:
+        """The weights were replaced (the peer runtime's downloads, a swarm's last round): the
+        average starts again from them."""
+        if self.average is not None:
+            self.average.restart(self.runner.host_parameters())
 
     def _validate(self) -> float:
         losses = [self.runner.eval_loss(x, y) for x, y in self.val_batches]
