@@ -262,7 +262,12 @@ def test_the_ideal_process_is_launched_with_the_combined_batch_quota_and_threads
         assert name == f"s0-ideal_{n}" and cores == n * cfg.cpu_per_peer
         assert env == {"OMP_NUM_THREADS": threads}
         assert f"--data.rows={n * cfg.rows}" in argv and f"--train.eval_rows={cfg.rows}" in argv
+        # its weight average decays n times a step: it spans as many windows as a peer's
+        assert f"--train.ema={cfg.ema**n}" in argv
     assert scaling.check(replace(cfg, peers=(2, 4))) is None
+    for bad in ({"ema": 1.0}, {"ema": -0.1}, {"lr": 0.0}, {"lr": float("nan")}):
+        with pytest.raises(AtomError, match="lr must be positive and ema"):
+            scaling.check(replace(cfg, **bad))  # type: ignore[arg-type]
     with pytest.raises(AtomError, match="distinct"):
         scaling.check(replace(cfg, peers=(2, 2)))
 
