@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from atomtrain.peer.churn import ChurnConfig, run_churn
 from atomtrain.train.checkpoint import latest_checkpoint
+from atomtrain.train.loading import load_trained
 from atomtrain.train.metrics import read_metrics
 
 from .conftest import run_cli
@@ -175,6 +176,7 @@ def test_machines_started_as_the_readme_says_each_do_their_own_work(tmp_path: Pa
     import os
 
     common = [*SMALL, "--train.steps=150", "--peer.sync_every=10", "--quiet", "--no-sample"]
+    common.append("--train.ema=0.9")  # with weight averages: the last round takes them in
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     machines = [tmp_path / "m1", tmp_path / "m2"]
     procs, logs = [], []
@@ -228,6 +230,11 @@ def test_machines_started_as_the_readme_says_each_do_their_own_work(tmp_path: Pa
         assert json.loads((latest_checkpoint(run) / "state.json").read_text())["peer_round"] >= 1
     a, b = (final_params(r) for r in runs)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= AGREEMENT_TOL
+    # what export, sample and serve load (the weight average) is the model the swarm agreed on
+    exported = [dict(load_trained(r)[0].named_parameters()) for r in runs]
+    for name, p in exported[0].items():
+        assert float((p - exported[1][name]).abs().max()) <= AGREEMENT_TOL, name
+        assert torch.equal(p.detach(), a[name]), name
 
 
 def wait_for_files(root: Path, name: str, timeout_s: float = 120) -> list[Path]:

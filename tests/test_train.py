@@ -9,7 +9,7 @@ import torch
 from atomtrain.config import load_run_config
 from atomtrain.errors import AtomError
 from atomtrain.optim import AdamW, AdamWConfig
-from atomtrain.train.averaged import WARMUP, WeightAverage, saved_average
+from atomtrain.train.averaged import WARMUP, WeightAverage, check_unaliased, saved_average
 from atomtrain.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from atomtrain.train.loading import load_trained
 from atomtrain.train.metrics import read_metrics
@@ -215,3 +215,27 @@ def test_a_saved_average_for_other_parameters_is_refused_by_name():
     average.update(params)
     average.restart(params)  # the weights were replaced: the average starts from them
     assert average.updates == 0 and torch.equal(average.shadow["weight"], params["weight"])
+
+
+def test_parameters_sharing_memory_are_refused_and_views_of_one_buffer_are_not():
+    flat = torch.zeros(10)
+    apart = {"a": flat[:4], "b": flat[4:], "empty": torch.zeros(0), "none": flat[4:4]}
+    check_unaliased(apart)  # views side by side, and empty ones anywhere
+    WeightAverage(apart, 0.9)
+    with pytest.raises(AtomError, match="share memory"):
+        check_unaliased({"a": flat[:5], "b": flat[4:]})
+    with pytest.raises(AtomError, match="share memory"):
+        WeightAverage({"a": flat, "b": flat}, 0.9)  # one tensor under two names
+
+
+def test_adopting_the_average_makes_it_the_weights():
+    """Before a swarm's last round each peer takes its average as its weights (finish.py), so
+    the round averages the peers' averages and every finisher exports the same model."""
+    params = dict(torch.nn.Linear(4, 3).named_parameters())
+    average = WeightAverage(params, 0.5)
+    with torch.no_grad():
+        params["weight"].add_(2.0)
+    average.update(params)
+    average.adopt(params)
+    for name, s in average.shadow.items():
+        assert torch.equal(params[name], s)

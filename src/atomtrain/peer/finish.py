@@ -51,6 +51,7 @@ class Finisher:
             log.info("no other live peer at the end; keeping this peer's parameters")
             return
         self._catch_up(others, record)
+        peer.on_final()  # what this peer brings to the last round: its weight average, if kept
         peer._final = True
         record.pop("group_size", None)
         peer._start_round()

@@ -192,6 +192,9 @@ class PeerRuntime:
         """Called when the model's weights were replaced rather than moved by a round (a state
         downloaded, the swarm's last round, the end on the synchronized state): the trainer
         restarts its weight average from them."""
+        self.on_final: Callable[[], None] = lambda: None
+        """Called just before the last round: the trainer writes its weight average into the
+        weights, so the last round averages the peers' averages."""
         self.round = 0
         self.failed_rounds = 0
         self.round_tokens = 0

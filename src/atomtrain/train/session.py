@@ -33,7 +33,7 @@ from atomtrain.data import (
 from atomtrain.errors import AtomError
 from atomtrain.models import GPT, GPTConfig
 from atomtrain.optim import AdamW
-from atomtrain.train.averaged import WeightAverage, saved_average
+from atomtrain.train.averaged import WeightAverage, check_unaliased, saved_average
 from atomtrain.train.checkpoint import (
     FILES as CHECKPOINT_FILES,
 )
@@ -337,11 +337,14 @@ def open_session(
         else TrainLoader(sampler)
     )
     state = TrainState()
-    saved = None
+    saved, saved_updates = None, 0
+    if cfg.train.ema:
+        check_unaliased(params)
     if ckpt is not None:
         check_matches(ckpt, params)
         if cfg.train.ema:  # refused here, before anything is written
             saved = saved_average(ckpt.extra, params, ckpt.path)
+            saved_updates = count_field(ckpt.state, "ema_updates", ckpt.path)
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(ckpt.params[name])
@@ -385,13 +388,21 @@ def open_session(
     if cfg.train.ema:
         trainer.average = WeightAverage(runner.host_parameters(), cfg.train.ema)
         if saved is not None:
-            trainer.average.take(saved, int(ckpt.state.get("ema_updates", 0)) if ckpt else 0)
+            trainer.average.take(saved, saved_updates)
         elif ckpt is not None:
             log.warning("%s has no weight average: it starts from the resumed weights", ckpt.path)
     session = Session(cfg, run_dir, model, shards, trainer, ckpt.path if ckpt else None)
     if cfg.peer.swarm:
         attach_peer(session, ckpt)
     return session
+
+
+def count_field(state: dict, name: str, where: object) -> int:
+    """A non-negative integer field of a checkpoint's state.json (0 when absent)."""
+    value = state.get(name, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise AtomError(f"checkpoint {where}: state.json's {name} is not a count: {value!r}")
+    return value
 
 
 def read_peer_token(run_dir: Path) -> str | None:
@@ -437,6 +448,7 @@ def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
     session.trainer.after_step = peer.after_step
     session.trainer.extra_state = peer.extra_state
     peer.on_replaced = session.trainer.restart_average
+    peer.on_final = session.trainer.adopt_average
     session.peer = peer
     if ckpt is not None and "peer/theta_sync" in ckpt.extra:
         session.resumed_peer_state = {

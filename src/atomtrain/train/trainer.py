@@ -77,6 +77,13 @@ class Trainer:
         with self.average.swapped_in(params, self.runner.parameters_written):
             return self._validate()
 
+    def adopt_average(self) -> None:
+        """The weights become their average (before a swarm's last round, which then averages
+        the peers' averages)."""
+        if self.average is not None:
+            self.average.adopt(self.runner.host_parameters())
+            self.runner.parameters_written()
+
     def restart_average(self) -> None:
         """The weights were replaced (the peer runtime's downloads, a swarm's last round): the
         average starts again from them."""
