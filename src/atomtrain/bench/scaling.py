@@ -75,7 +75,7 @@ class ScalingBenchConfig:
     (small model, seed 0, 0.45 cores, quiet machine, lr 2e-3 and its weights validated, as the
     bench was then): it first validated at 2.194 after 158 s from launch, and hovered around
     2.16-2.21 by 190 s. With its weight average at lr 1.4e-3 the single peer reaches it in
-    about 80 s, so the swarms' first rounds weigh more than they did."""
+    81-98 s (09d3049, 3 seeds), so the swarms' first rounds weigh more than they did."""
     budget_s: float = 300.0
     """Wall-clock budget of each system from launch; a system stops as soon as it reaches the
     target. At a round every few seconds it leaves room for well over 20 rounds."""
