@@ -213,6 +213,12 @@ def main() -> None:
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
         if index == 2 and attack in ("stall", "late"):
+            if attack == "stall":
+                # an honest peer's round is scheduled first, so it leads: a staller that leads
+                # and freezes while announcing its group tells one honest member and not the
+                # other, which then blame each other (a CI run, 2026-12-03: peer 1 left peer 0
+                # out for 2 rounds). That is open (issue 12); this test is the member that stalls
+                time.sleep(1.0)
             frozen_s = STALL_FROZEN_S if attack == "stall" else SLOW_START_S
             if stalled_round(avg, delta, frozen_s, partial(honest_done, work, r)):
                 (work / f"froze{r}").touch()  # in a group: the round it was meant to slow
