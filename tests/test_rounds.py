@@ -483,6 +483,7 @@ def test_a_finisher_whose_last_round_did_not_land_ends_on_the_state_the_others_t
         lock=threading.Lock(),
         on_replaced=lambda: told.append("trainer"),
     )
+    peer._weights_replaced = lambda: PeerRuntime._weights_replaced(peer)
     PeerRuntime.end_on_sync(peer)
     assert torch.equal(flatten(params, pieces), theta)
     # the runner derives its copies again; the trainer's weight average restarts from here

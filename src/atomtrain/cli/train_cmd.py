@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -159,9 +158,8 @@ def _report(args: argparse.Namespace, cfg: RunConfig, session: Session) -> int:
         else f"validation loss{of}: {val:.3f}"
     )
     if not args.no_sample:
-        params = trainer.runner.host_parameters()  # waits for any optimizer step still running
-        averaged = trainer.average.swapped_in(params) if trainer.average else nullcontext()
-        with averaged:
+        trainer.runner.host_parameters()  # waits for any optimizer step still running
+        with trainer.averaged_weights():
             text = sample_text(
                 session.model,
                 session.shards.tokenizer,

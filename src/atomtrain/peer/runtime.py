@@ -596,8 +596,7 @@ class PeerRuntime:
             self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
         if mode != "resume":
-            self.runner.parameters_written()
-            self.on_replaced()
+            self._weights_replaced()
         if mode != "resume" and self.train_state is not None:
             # the learning-rate schedule follows the swarm's progress, not this peer's steps:
             # where the live members' schedules stand, not where the serving peer says
@@ -883,9 +882,10 @@ class PeerRuntime:
             self.round += 1
             self._round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
-        self.runner.parameters_written()
         if self._final:  # the model every finisher ends with: not to be averaged with the last
-            self.on_replaced()
+            self._weights_replaced()
+        else:
+            self.runner.parameters_written()
         self.steps_since_round -= self._round_steps  # steps made meanwhile count for the next
         self.round_tokens -= self._round_tokens
         self.last_sync = time.time()
@@ -1037,6 +1037,11 @@ class PeerRuntime:
             for piece in self.pieces:
                 x = param_slice(params, piece)
                 x.copy_(self.theta_sync[piece.offset : piece.offset + piece.numel].to(x))
+        self._weights_replaced()
+
+    def _weights_replaced(self) -> None:
+        """The model's weights were replaced, not moved by a round: the runner derives again
+        what it copies from them, and the trainer restarts its weight average from them."""
         self.runner.parameters_written()
         self.on_replaced()
 

@@ -71,11 +71,16 @@ class Trainer:
 
     def evaluate(self) -> float:
         """The mean validation loss of the weights, or of their moving average with one."""
+        with self.averaged_weights():
+            return self._validate()
+
+    def averaged_weights(self) -> AbstractContextManager[None]:
+        """Inside it the model holds the weights' moving average, if the run keeps one (what it
+        validates and samples from); the weights themselves after it."""
         if self.average is None:
-            return self._validate()
-        params = self.runner.host_parameters()
-        with self.average.swapped_in(params, self.runner.parameters_written):
-            return self._validate()
+            return nullcontext()
+        params = self.runner.host_parameters()  # waits for any optimizer step still running
+        return self.average.swapped_in(params, self.runner.parameters_written)
 
     def adopt_average(self) -> None:
         """The weights become their average (before a swarm's last round, which then averages
