@@ -17,9 +17,13 @@ sends honestly and moves the average of the span it reduces. With `forging_reduc
 reduces honestly and forwards its auditor its own part in place of every other member's. With
 `banned_by_0`, peer 2 is honest but peer 0 banned it before the first round, and peer 1 leads
 every round (the others start theirs a second later), so peer 0 finds in its groups a member it
-banned, taken in by a third party.
+banned, taken in by a third party. With `stall_leader`, peer 2 starts each round first (so it
+leads), tells only the first follower of its group, never runs its all-reduce, and is frozen as
+`stall` is soon after: the member told waits for the other honest one, which, never told, sent
+nothing either (stall_leader_patches).
 """
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -28,6 +32,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import AsyncIterator  # noqa: UP035 (hivemind reads stream handlers from typing's)
 
 import torch
 from hivemind import DHT
@@ -104,11 +109,15 @@ of its reducer timeout (twice that)."""
 
 
 def stalled_round(
-    avg: ProbedAverager, delta: torch.Tensor, frozen_s: float, honest_done: Callable[[], bool]
+    avg: ProbedAverager,
+    delta: torch.Tensor,
+    frozen_s: float,
+    honest_done: Callable[[], bool],
+    after_s: float = 0.0,
 ) -> bool:
-    """Join a group, then go silent: the averager's process frozen for `frozen_s`. False: it
-    found no group (left out by both honest peers, it stops looking once they have ended their
-    round), and so froze nothing."""
+    """Join a group, then go silent: the averager's process frozen for `frozen_s`, `after_s`
+    after the group was found. False: it found no group (left out by both honest peers, it stops
+    looking once they have ended their round), and so froze nothing."""
     avg.start(
         lambda piece, out: out.copy_(delta[piece.offset : piece.offset + piece.numel]),
         1.0,
@@ -128,6 +137,7 @@ def stalled_round(
         time.sleep(0.01)
     froze = avg.group_found() and not avg.done()
     if froze:
+        time.sleep(after_s)
         os.kill(avg.averager.pid, signal.SIGSTOP)
         time.sleep(frozen_s)
         os.kill(avg.averager.pid, signal.SIGCONT)
@@ -136,6 +146,41 @@ def stalled_round(
     with contextlib.suppress(RoundFailed):
         avg.result()
     return froze
+
+
+ANNOUNCED_S = 0.5
+"""How long `stall_leader` runs once its group is found before it is frozen: time to tell its
+first follower."""
+
+
+def stall_leader_patches() -> None:
+    """`stall_leader`'s averager (forked from this process): as a leader, it tells only the first
+    follower it answers that the group begins, and holds the others' answers; it never runs its
+    all-reduce (so sends no part), as a staller frozen the moment its group formed."""
+    from hivemind.averaging.allreduce import AllreduceException
+    from hivemind.p2p import P2PContext
+    from hivemind.proto import averaging_pb2
+
+    guarded = averaging.GuardedAverager
+    join, told = guarded.rpc_join_group, set()
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        async for message in join(self, request, context):
+            if message.code == averaging_pb2.BEGIN_ALLREDUCE:
+                if message.group_id in told:
+                    await asyncio.sleep(3 * STALL_FROZEN_S)  # the follower gives up first
+                    return
+                told.add(message.group_id)
+            yield message
+
+    async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        await asyncio.sleep(STALL_FROZEN_S)
+        raise AllreduceException("stall_leader runs no all-reduce")
+
+    guarded.rpc_join_group = rpc_join_group
+    guarded._aggregate_with_group = _aggregate_with_group
 
 
 def main() -> None:
@@ -173,6 +218,8 @@ def main() -> None:
             combined(self, part_index, senders)
 
         audit.AuditedRunner._combined = forged
+    if attack == "stall_leader" and index == 2:
+        stall_leader_patches()
     gate = MemberGate(KEY, "atk")
     if attack == "banned_by_0":
         if index == 2:
@@ -188,9 +235,12 @@ def main() -> None:
         cut_pieces({"w": NUMEL}),
         "none",
         2.0,
-        {"late": 2 * TIMEOUT_S, "stall": STALL_TIMEOUT_S, "forge_gather": FORGE_TIMEOUT_S}.get(
-            attack, TIMEOUT_S
-        ),
+        {
+            "late": 2 * TIMEOUT_S,
+            "stall": STALL_TIMEOUT_S,
+            "stall_leader": STALL_TIMEOUT_S,
+            "forge_gather": FORGE_TIMEOUT_S,
+        }.get(attack, TIMEOUT_S),
         8,
         lambda: ({}, []),
         gate,
@@ -208,10 +258,15 @@ def main() -> None:
         # does each process here, before each round (a round after 30 s found no certificate)
         declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
         barrier(work, f"round{r}_", index)
-        if attack == "forge_gather" and index < 2:
+        if attack in ("forge_gather", "stall_leader") and index < 2:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
+        if index == 2 and attack == "stall_leader":
+            done = partial(honest_done, work, r)
+            if stalled_round(avg, delta, STALL_FROZEN_S, done, ANNOUNCED_S):
+                (work / f"froze{r}").touch()
+            continue
         if index == 2 and attack in ("stall", "late"):
             if attack == "stall":
                 # an honest peer's round is scheduled first, so it leads: a staller that leads

@@ -524,6 +524,7 @@ class GuardedAverager(DecentralizedAverager):
         self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
         self._sealed = b""  # what this member sent its group this round
         self._leaders: dict[bytes, PeerID] = {}  # group ID -> the leader that formed it
+        self._led_by: dict[bytes, PeerID] = {}  # this round's groups' leaders, this one's too
         self._assembled: set[bytes] = set()  # groups this step joined (a trigger may await them)
         self._asking = 0  # join requests this member has out to leaders (_guard_leaders)
         self._trusted = True  # the round's metadata is its members' (robust bans count)
@@ -740,6 +741,7 @@ class GuardedAverager(DecentralizedAverager):
         self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
         self._rounds += 1
         self._leaders.clear()
+        self._led_by.clear()
         self._assembled.clear()
         self._round_at = step.scheduled_time
         if self._gate.signing_key is not None:  # this step's copy, in this process
@@ -807,6 +809,7 @@ class GuardedAverager(DecentralizedAverager):
         leader rejected. Metadata its member sealed but no honest member sends (H1) rejects
         that member. Either way this member still takes part, for the others."""
         leader = self._leaders.pop(group_info.group_id, self.peer_id)
+        self._led_by[group_info.group_id] = leader
         blobs: list[bytes] = []
         forged: list[str] = []
         unknown: list[str] = []
@@ -903,6 +906,7 @@ class GuardedAverager(DecentralizedAverager):
             }
         runner = runner_type(
             **extra,
+            leader=self._led_by.get(group_info.group_id),
             traffic=self._traffic,
             p2p=self._p2p,
             servicer_type=type(self),

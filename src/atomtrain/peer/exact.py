@@ -13,16 +13,18 @@ The runner's output is the average itself, not a difference: the averager copies
 tensors. A reducer that fails leaves the member's own part in its span, which the probes show
 (averaging.py).
 
-It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
-its parts before this member's all-reduce ended (hivemind leaves its parts out after its sender
-timeout), or a reducer that sent no averages within the reducer timeout, which ends the round
-there (it is lost: that span holds this member's own part). (A member that crashed looks the
-same; the averager excludes either for a while.) A reducer is not named for late
-averages in a round where another member sent this one nothing: it may have waited for that
-member's parts, from its own, later start of the round. A member that answers it is not in
-the group is not named: an honest one that missed its leader's word (averaging.py,
-_group_started) says so, and a member that refuses its span this way spoils the round as it could
-by sending its parts and refusing only its span, which never names anyone either.
+It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
+of its parts before this member's all-reduce ended (hivemind leaves its parts out after its
+sender timeout), or a reducer that sent no averages within the reducer timeout, which ends the
+round there (it is lost: that span holds this member's own part). (A member that crashed looks
+the same; the averager excludes either for a while.) Where the group's leader sent nothing
+either, only the leader is named: it may never have told the others (silent_members). A reducer
+is not named for late averages in a round where another member sent this one nothing: it may
+have waited for that member's parts, from its own, later start of the round. A member that
+answers it is not in the group is not named: an honest one that missed its leader's word
+(averaging.py, _group_started) says so, and a member that refuses its span this way spoils the
+round as it could by sending its parts and refusing only its span, which never names anyone
+either.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ExactAverageRunner(CountedRunner):
         self,
         *,
         on_stall: Callable[[Any, str], None] | None = None,
+        leader: Any = None,
         out_of_sync: Collection[Any] = (),
         delta_keys: Collection[int] = (),
         **kwargs: Any,
@@ -62,8 +65,10 @@ class ExactAverageRunner(CountedRunner):
         update holds all their progress since the last round they applied, which the others
         averaged in already when they applied that round: averaged in again, it lands twice, and
         again each round until the member re-synchronizes. (The robust reducer leaves them out
-        by itself; this is for an undefended round.)"""
+        by itself; this is for an undefended round.) `leader`: the member that formed the group
+        and told the others of it (finalize)."""
         super().__init__(**kwargs)
+        self._leader = leader
         self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
         self._on_stall = on_stall
         own = self.tensor_part_container._input_parts_by_peer[
@@ -98,15 +103,21 @@ class ExactAverageRunner(CountedRunner):
         staller only if it sent nothing until this member's all-reduce ended. One that was merely
         late (its own process slow to start the round) has begun by then: its parts came too late
         to count, but it did not stall the round. (Named at once, an honest peer on a loaded
-        machine was left out of the next two rounds as if it had.)"""
+        machine was left out of the next two rounds as if it had.) Where the group's leader is
+        silent too, only the leader is named (silent_members)."""
         if not self._future.done():
-            for peer_id in self.sender_peer_ids:
-                if peer_id in self.banned_senders and not (
+            silent = [
+                peer_id
+                for peer_id in self.sender_peer_ids
+                if peer_id in self.banned_senders
+                and not (
                     peer_id in self.active_senders
                     or peer_id in self._delivered
                     or peer_id in self._not_in_group
-                ):  # (its averages may beat its own parts here: it ran the round)
-                    self._stalled(peer_id, "sent none of its parts")
+                )  # (its averages may beat its own parts here: it ran the round)
+            ]
+            for peer_id in silent_members(silent, self._leader):
+                self._stalled(peer_id, "sent none of its parts")
         super().finalize(**kwargs)
 
     def _waiting_for_a_staller(self, reducer: Any) -> bool:
@@ -202,3 +213,13 @@ class ExactAverageRunner(CountedRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+def silent_members(silent: list[Any], leader: Any) -> list[Any]:
+    """The members of `silent` (those that sent this member none of their parts) to name as
+    stallers. A silent leader may never have told the others of the group: frozen as it
+    announced it (bench attack's staller, when it leads), it told one member and not another,
+    and the one not told, still waiting for a leader's word, sent nothing either. Naming both,
+    the member told left the other honest one out (a CI run: both honest peers lost three
+    rounds). So where the leader is silent, only the leader is named."""
+    return [leader] if leader in silent else silent
