@@ -38,7 +38,7 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import PeerID
 
-from atomtrain.peer import audit, averaging
+from atomtrain.peer import audit, guarded
 from atomtrain.peer.attack import claimed_tokens, poison
 from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
@@ -161,8 +161,8 @@ def stall_leader_patches() -> None:
     from hivemind.p2p import P2PContext
     from hivemind.proto import averaging_pb2
 
-    guarded = averaging.GuardedAverager
-    join, told = guarded.rpc_join_group, set()
+    averager = guarded.GuardedAverager
+    join, told = averager.rpc_join_group, set()
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -179,8 +179,8 @@ def stall_leader_patches() -> None:
         await asyncio.sleep(STALL_FROZEN_S)
         raise AllreduceException("stall_leader runs no all-reduce")
 
-    guarded.rpc_join_group = rpc_join_group
-    guarded._aggregate_with_group = _aggregate_with_group
+    averager.rpc_join_group = rpc_join_group
+    averager._aggregate_with_group = _aggregate_with_group
 
 
 def main() -> None:
@@ -207,7 +207,7 @@ def main() -> None:
     declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
     print(f"peer {index} is {dht.peer_id.to_base58()}", flush=True)  # to read its log by
     if attack == "lying_reducer_far":  # the averager's process is forked from this one
-        averaging.lie_sizes, attack = (lambda factor: 20.0), "lying_reducer"
+        guarded.lie_sizes, attack = (lambda factor: 20.0), "lying_reducer"
     if attack == "forging_reducer" and index == 2:  # forwards its own part as everyone's
         combined = audit.AuditedRunner._combined
 

@@ -13,7 +13,7 @@ from atomtrain.peer.attack import (
     check_attack,
     poison,
 )
-from atomtrain.peer.averaging import OPPOSED_COSINE
+from atomtrain.peer.exclusion import OPPOSED_COSINE
 
 
 def honest() -> torch.Tensor:

@@ -12,10 +12,10 @@ from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer as Serializer
 
-from atomtrain.peer.averaging import FORGED, MALFORMED, UNVERIFIED, GuardedAverager
 from atomtrain.peer.bounds import Defence
 from atomtrain.peer.certs import peer_id_of
 from atomtrain.peer.gather import check, seal, unseal
+from atomtrain.peer.guarded import FORGED, MALFORMED, UNVERIFIED, GuardedAverager
 
 PREFIX = "s_avg"
 AT = 1000.0  # the round's scheduled time, DHT seconds
@@ -82,7 +82,7 @@ class Checker:
         self._gate = SimpleNamespace(signing_key=own, public_key=public_key)
         self.peer_id = PeerID.from_base58(member(own)[0])
         self.prefix, self.dht, self._round_at, self._window_s = PREFIX, None, AT, WINDOW_S
-        self._sealed, self._leaders = sent, {}
+        self._sealed, self._leaders, self._led_by = sent, {}, {}
         self._discard = SimpleNamespace(value=0)
         self._defence = Defence()  # a defended swarm: the reported rms is checked too
         self._events = SimpleNamespace(put=lambda event: None)

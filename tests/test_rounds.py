@@ -532,7 +532,7 @@ def test_round_layout_gives_each_member_its_probe_and_its_chunk(fractions):
     cover the vector once, in order."""
     from hivemind.averaging.partition import TensorPartContainer
 
-    from atomtrain.peer.averaging import round_layout
+    from atomtrain.peer.layout import round_layout
 
     held = torch.arange(1000, dtype=torch.float16)
     probes = torch.zeros(8)

@@ -29,16 +29,16 @@ from atomtrain.peer.auth import (
     read_roster,
     write_new_key,
 )
-from atomtrain.peer.averaging import (
+from atomtrain.peer.averaging import ProbedAverager
+from atomtrain.peer.bounds import Defence, equal_weights
+from atomtrain.peer.exact import silent_members
+from atomtrain.peer.exclusion import (
     FORGIVE_ROUNDS,
     OPPOSED_EXCLUSION_ROUNDS,
-    GuardedAverager,
-    ProbedAverager,
     exclusion_rounds,
     stalls_remembered,
 )
-from atomtrain.peer.bounds import Defence, equal_weights
-from atomtrain.peer.exact import silent_members
+from atomtrain.peer.guarded import GuardedAverager
 from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.protocol import averaging_prefix, protocol_tag
 from atomtrain.peer.traffic import Traffic

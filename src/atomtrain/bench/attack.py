@@ -18,8 +18,8 @@ from pathlib import Path
 from atomtrain.bench.attack_report import SwarmRun, attack_report, final_loss
 from atomtrain.peer.attack import ATTACKS
 from atomtrain.peer.auth import KEY_ENV, load_swarm_key, write_new_key
-from atomtrain.peer.averaging import OPPOSED_COSINE
 from atomtrain.peer.certs import issue, write_new_identity
+from atomtrain.peer.exclusion import OPPOSED_COSINE
 from atomtrain.peer.launcher import Swarm
 from atomtrain.train.metrics import read_metrics
 

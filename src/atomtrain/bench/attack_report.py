@@ -43,7 +43,7 @@ def honest_rejected(run: SwarmRun) -> int:
 
 def honest_left_out(run: SwarmRun) -> int:
     """Honest peers that some honest peer left out of its next rounds (a stall, or a lie its
-    audits showed: averaging.py), which costs rounds rather than a ban."""
+    audits showed: guarded.py), which costs rounds rather than a ban."""
     named = {name for log in run.records for r in log for name in r.get("stalled_peers", ())}
     return len(named & set(run.honest))
 

@@ -21,7 +21,7 @@ order:
    where the projections do not look; they tolerate the codec's rounding of a replay whose sums
    ran in another order (`TOLERANCE`).
 
-Blame falls only where it is certain, and proof bans (averaging.py): the auditor bans a reducer
+Blame falls only where it is certain, and proof bans (guarded.py): the auditor bans a reducer
 whose averages differ from the replay of the very parts it forwarded, or that forwarded a part
 other than the auditor's own as the auditor's; the reducer, which knows its averages are honest,
 bans an auditor that reports otherwise. A reducer that forwarded nothing (in time), or an

@@ -22,7 +22,7 @@ either, only the leader is named: it may never have told the others (silent_memb
 is not named for late averages in a round where another member sent this one nothing: it may
 have waited for that member's parts, from its own, later start of the round. A member that
 answers it is not in the group is not named: an honest one that missed its leader's word
-(averaging.py, _group_started) says so, and a member that refuses its span this way spoils the
+(guarded.py, _group_started) says so, and a member that refuses its span this way spoils the
 round as it could by sending its parts and refusing only its span, which never names anyone
 either.
 """

@@ -3,7 +3,8 @@
 The averaged vector is the parameters in name order, read and written as *pieces*: every
 parameter is cut into slices of at most total/pieces_hint elements. A piece belongs to exactly
 one parameter, so a round reads and writes the model slice by slice, with no flat copy of the
-whole model. How the vector travels (one chunk and a probe per group member) is averaging.py's.
+whole model. How the vector travels in a round, one chunk and a probe per group member, is
+`round_layout`'s (averaging.py checks the probes).
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from hivemind.averaging.partition import AllreduceException
+from hivemind.compression import CompressionInfo
 
 SKETCH_SIZE = 64
 """Numbers in a sketch of the synchronized parameters."""
@@ -112,3 +116,31 @@ def digest(flat: torch.Tensor) -> str:
 def iter_chunks(numel: int, size: int = 1 << 20) -> Iterator[tuple[int, int]]:
     for lo in range(0, numel, size):
         yield lo, min(numel, lo + size)
+
+
+def round_layout(
+    held: torch.Tensor, probes: torch.Tensor, fractions: Sequence[float]
+) -> tuple[list[torch.Tensor], list[CompressionInfo]]:
+    """The round's tensors, views of the held vector and probes: for each member's span, its probe
+    then its chunk, cut at the pivots hivemind's TensorPartContainer computes from the same
+    fractions, so every part of the chunk and the probe in front of it go to that member. Keys
+    pick the compression: 0 the wire codec (vector), 1 none (probes)."""
+    total = held.numel() + len(fractions)
+    pivots = (np.cumsum(fractions) / np.sum(fractions) * total).astype(np.int64)
+    pivots[-1] = total
+    tensors: list[torch.Tensor] = []
+    infos: list[CompressionInfo] = []
+    start = offset = 0
+    for i, end in enumerate(pivots.tolist()):
+        if end - start < 2:  # a member with (almost) nothing to reduce: hivemind gave it none
+            raise AllreduceException(f"member {i}'s span of {end - start} elements is too small")
+        chunk = held[offset : offset + end - start - 1]
+        tensors += [probes[i : i + 1], chunk]
+        infos += [
+            CompressionInfo.from_tensor(probes[i : i + 1], key=1),
+            CompressionInfo.from_tensor(chunk, key=0),
+        ]
+        offset += chunk.numel()
+        start = end
+    assert offset == held.numel()
+    return tensors, infos

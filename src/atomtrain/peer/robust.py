@@ -33,7 +33,7 @@ still tell a fully averaged round from a partial one.
 
 Each reducer also measures, over the update parts of its span, how each other member's part
 agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member whose update points
-against this one's round after round is left out for a while (averaging.py, OPPOSED_COSINE),
+against this one's round after round is left out for a while (exclusion.py, OPPOSED_COSINE),
 though clipping already bounds what it moves each round.
 
 A reducer can lie too: every member checks the averaged parts it receives (bounds.py). With three or

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from atomtrain.peer.layout import sketch_distance
 
@@ -96,3 +97,17 @@ def group_live(peers: Sequence[dict[str, object]]) -> int:
         except (TypeError, ValueError, OverflowError):
             continue
     return max(claims)
+
+
+def membership(peers: list[dict[str, Any]]) -> list[bool]:
+    """In-sync flags from the round's metadata; everyone in sync when sketches are missing."""
+    try:
+        sketches = [[float(x) for x in g["sketch"]] for g in peers]
+        sizes = [float(g["update_size"]) for g in peers]
+        rounds = [int(g["round"]) for g in peers]
+    except (KeyError, TypeError, ValueError, OverflowError):  # malformed, or int(inf)
+        return [True] * len(peers)
+    try:
+        return in_sync_flags(sketches, sizes, rounds)
+    except (OverflowError, ValueError):  # values no honest member sends (1e300, NaN)
+        return [True] * len(peers)

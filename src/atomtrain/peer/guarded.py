@@ -1,0 +1,570 @@
+"""hivemind's averager behind the swarm's gates, reducing robustly when defended.
+
+GuardedAverager runs behind the swarm's gates (auth.py) and, when defended, reduces robustly
+(robust.py), has a second member replay each span's reduction (audit.py: the round is discarded
+before anything is applied when a replay and the averages received differ), and excludes from
+its next rounds (exclusion.py: `STALL_ROUNDS`, doubled at each repeat, one repeat forgiven every
+`FORGIVE_ROUNDS` quiet rounds) any member that stalled a round: one that joined the group and
+then sent nothing, or reduced nothing (exact.py tells which), or reduced its span to averages
+beyond what an honest reducer returns (bounds.reducer_bounds, bounds.PAIR_SLACK), or that an
+audit showed lying as a reducer or an auditor, or whose update opposed this member's own in
+`OPPOSED_ROUNDS` of its last `OPPOSED_WITHIN` rounds (`OPPOSED_COSINE`; left out
+`OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's). Counted in
+rounds rather than banned for good, since an honest peer frozen for a while (or cut off), or an
+honest reducer whose own update is tens of times the others', can look the same. A group that
+holds a member this one excludes or banned does not make it abort (that would spoil the round
+for the others too): it takes part. An audited round it then applies like any other when every
+check passes: every reducer combined that member's parts by what it measures (robust.py:
+non-finite and far too large parts dropped, the rest clipped, so the member weighs what any other
+member does), and every reducer's averages were audited, its own span's too. Discarding it
+instead left this member a round behind the others that applied it, out of sync, and it spent
+the next rounds re-synchronizing: in bench attack's 4-peer swarms an honest peer that had banned
+the attacker before the others did applied 1 round of 7 where a third party's group still took
+the attacker in. An unaudited round it discards for itself only (and where it reduces it drops
+that member's parts): there a banned reducer's averages are only bounded, not checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
+
+# hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
+from typing import Any, AsyncIterator  # noqa: UP035
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import achain, as_aiter
+from hivemind.utils.timed_storage import get_dht_time
+
+from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
+from atomtrain.peer.audit import AuditedRunner
+from atomtrain.peer.auth import MemberGate
+from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_weights
+from atomtrain.peer.download import download_from
+from atomtrain.peer.exact import ExactAverageRunner
+from atomtrain.peer.exclusion import (
+    OPPOSED_COSINE,
+    OPPOSED_EXCLUSION_ROUNDS,
+    OPPOSED_ROUNDS,
+    OPPOSED_WITHIN,
+    STALL_ROUNDS,
+    exclusion_rounds,
+    stalls_remembered,
+)
+from atomtrain.peer.gather import NO_KEY, check, seal, unseal
+from atomtrain.peer.layout import round_layout
+from atomtrain.peer.robust import RobustRunner
+from atomtrain.peer.sync import lower_median, membership
+from atomtrain.peer.traffic import RECEIVED, SENT, Traffic, counting_state_stubs
+
+BANNED, FORGED, MALFORMED, UNVERIFIED = 1, 2, 3, 4
+"""Why a round is discarded (set by hivemind's process): it held a peer this one banned or
+excludes; the leader sent a member's metadata that member did not sign; a member signed
+malformed metadata; no certificate this peer could read names a member."""
+AUDITS_KEPT = 8
+"""Audited all-reduces a member keeps for the members that ask after it ends (each lets its
+replay go once every member asked, or some seconds after the round)."""
+
+
+def finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+class GuardedAverager(DecentralizedAverager):
+    """hivemind's averager behind the swarm's gates, with robust aggregation when defended.
+
+    Runs in its own process. Serves the peer's state (metadata, tensors) to joiners that pass the
+    gate; refuses group requests, tensor parts and state downloads from callers that do not; never
+    asks a leader that does not; seals the metadata it tells its group and checks its group's
+    (gather.py); and reports each member it rejects through `events`.
+    """
+
+    def __init__(
+        self,
+        provider: Any,
+        gate: MemberGate,
+        defence: Defence | None,
+        kinds: list[str],
+        events: Any,
+        inputs: list[torch.Tensor],
+        traffic: Traffic,
+        discard: Any,
+        *args: Any,
+        window_s: float = 60.0,
+        attack: str = "",
+        **kwargs: Any,
+    ) -> None:
+        self._provider, self._gate, self._defence = provider, gate, defence
+        self._traffic, self._discard = traffic, discard
+        self._window_s, self._attack = window_s, attack
+        self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
+        self._sealed = b""  # what this member sent its group this round
+        self._leaders: dict[bytes, PeerID] = {}  # group ID -> the leader that formed it
+        self._led_by: dict[bytes, PeerID] = {}  # this round's groups' leaders, this one's too
+        self._assembled: set[bytes] = set()  # groups this step joined (a trigger may await them)
+        self._asking = 0  # join requests this member has out to leaders (_guard_leaders)
+        self._trusted = True  # the round's metadata is its members' (robust bans count)
+        self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
+        # peer -> (stalls, at round, rounds that one left it out of)
+        self._stalls: dict[PeerID, tuple[int, int, int]] = {}
+        self._opposed: dict[PeerID, list[int]] = {}  # peer -> rounds it opposed this one's in
+        self._rounds = 0  # rounds this member began
+        self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
+        self._kinds, self._events, self._inputs = kinds, events, inputs
+        self.get_stub = counting_state_stubs(self, traffic)
+        super().__init__(*args, **kwargs)
+
+    def get_current_state(self):
+        metadata, tensors = self._provider()
+        return metadata, tensors, None
+
+    async def _declare_for_download_periodically(self):
+        """hivemind's unsigned priority record is not written (download.py)."""
+
+    async def _download_from(self, sources: list[str], timeout_s: float, future: MPFuture):
+        try:
+            # a state: the parameters and the outer momentum, float32, and some framing
+            numel = sum(t.numel() for t in self._averaged_tensors)
+            most = int(8 * numel * 1.25) + (1 << 20)
+            future.set_result(await download_from(self, sources, timeout_s, most))
+        except BaseException as e:
+            future.set_exception(e)
+
+    def _reject(self, peer_id: PeerID, why: str) -> None:
+        if peer_id not in self._gate.banned:
+            self._gate.ban(peer_id)
+            self._events.put((peer_id.to_base58(), why, "reject"))
+
+    def _stall(self, peer_id: PeerID, why: str, first: int = STALL_ROUNDS) -> None:
+        """Leave `peer_id` out of the next rounds: `first` times 2 to the power of the
+        exclusions it is still remembered for, of any kind (exclusion_rounds,
+        stalls_remembered)."""
+        if self._excluded(peer_id):
+            return  # already named in this round
+        self._events.put((peer_id.to_base58(), why, "stall"))
+        before, at, sat_out = self._stalls.get(peer_id, (0, self._rounds, 0))
+        # quiet rounds count from the end of its last exclusion, not the rounds it sat out
+        times = stalls_remembered(before, self._rounds - at - sat_out) + 1
+        rounds = exclusion_rounds(times, first)
+        self._stalls[peer_id] = (times, self._rounds, rounds)
+        self._stalled[peer_id] = 1 + rounds
+
+    def _agreement(self, peer_id: PeerID, cosine: float) -> None:
+        """A member whose update opposed this peer's (robust.RobustRunner measures it in the
+        span this peer reduces) in OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN rounds is
+        left out of the next OPPOSED_EXCLUSION_ROUNDS rounds (doubled for each exclusion it is
+        still remembered for), as one that stalled is for fewer: its part only counts, clipped,
+        for as much as an honest one, but round after round it pulls the average back (a sign
+        flip, IPM). An agreeing round between does not clear the count (an attacker flipping every
+        other round is still counted)."""
+        self._events.put((peer_id.to_base58(), repr(float(cosine)), "agreement"))
+        if cosine >= OPPOSED_COSINE or self._excluded(peer_id) or peer_id in self._gate.banned:
+            return
+        recent = [r for r in self._opposed.get(peer_id, []) if r > self._rounds - OPPOSED_WITHIN]
+        self._opposed[peer_id] = recent = [*recent, self._rounds]
+        if len(recent) >= OPPOSED_ROUNDS:
+            del self._opposed[peer_id]
+            self._stall(
+                peer_id,
+                f"sent updates opposite to this peer's in {len(recent)} of its last "
+                f"{OPPOSED_WITHIN} rounds",
+                first=OPPOSED_EXCLUSION_ROUNDS,
+            )
+
+    @property
+    def _audited(self) -> bool:
+        """Its rounds are audited (audit.py): a banned member a third party took in is safe to
+        average with."""
+        return self._defence is not None and self._defence.audit
+
+    def _excluded(self, peer_id: PeerID) -> bool:
+        """Stalled a round lately (local, for some rounds; a ban is the gate's and lasts)."""
+        return peer_id in self._stalled
+
+    # --- gates ------------------------------------------------------------------------------
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if (
+            self._excluded(context.remote_id)
+            or not await self._gate.allows(self.dht, context.remote_id)
+            or (await self._unsealed(request.gather, context.remote_id))[0] is None
+        ):  # an honest leader never forwards metadata its sender did not seal
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            if self._attack == "forge_gather" and message.code == averaging_pb2.BEGIN_ALLREDUCE:
+                forge_gathered(message, self.peer_id)  # bench attack only
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        refused = not await self._gate.allows(self.dht, context.remote_id)
+        if refused and not self._audited:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        first = await anext(stream)
+        if not await self._group_started(first.group_id):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        runner = self._audits.get(first.group_id) if refused else None
+        if refused and (runner is None or context.remote_id not in runner.sender_peer_ids):
+            # a member this one banned, in a group a third party took it into: its parts are
+            # combined by what they measure and the round audited (_aggregate_with_group);
+            # anyone else this one refuses stays refused
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        # the reducer's side of this member's traffic: parts in, averages out
+        async for message in super().rpc_aggregate_part(
+            self._traffic.count(RECEIVED, achain(as_aiter(first), stream)), context
+        ):
+            self._traffic.add(SENT, message)
+            yield message
+
+    async def _group_started(self, group_id: bytes) -> bool:
+        """Wait until this member runs the group's all-reduce (or never will:
+        _aggregate_with_group cancels it), shielded: hivemind's handler awaits the group's
+        future itself, and a sender that gives up its request (a member whose round failed, or
+        one that hangs up on purpose) cancelled the task and with it that future. This member
+        then could not start its all-reduce at all, and the honest members it left waiting
+        excluded it as a staller. False: it will not run it.
+
+        A group this member is not in, and can no longer join, is refused at once: it did not
+        assemble this group, and it has no join request out to a leader (one it has out may be
+        answered with this group: the leader's word can come after the other members' parts).
+        hivemind's handler waits until this member registers its next group, or forever: a
+        leader that formed its group as this member's matchmaking ran out of time (a retry's
+        group is formed at the round's deadline, where the follower stops waiting for it) held
+        the round for the reducer timeout and named this member a staller; so did one whose
+        word came after this member, still looking for a group, had given up on it (bench
+        attack, 4 peers on 2 cores: an honest peer left out, its partners' next rounds short of
+        the quorum)."""
+        while group_id not in self._running_groups:
+            matchmaking = getattr(self, "_matchmaking", None)
+            looking = matchmaking is not None and matchmaking.is_looking_for_group
+            if group_id not in self._assembled and not (looking and self._asking):
+                return False
+            await asyncio.sleep(0.05)
+        started = self._running_groups[group_id]
+        try:
+            await asyncio.shield(started)
+        except asyncio.CancelledError:
+            if not started.cancelled():
+                raise  # this request itself was cancelled: its sender hung up
+            return False
+        return True
+
+    async def rpc_audit_parts(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The reducer of the span this member audits streams the parts it combined (audit.py)."""
+        try:
+            first = await asyncio.wait_for(anext(stream), self._window_s)
+        except (asyncio.TimeoutError, StopAsyncIteration):
+            return
+        runner = await self._audited_runner(first.group_id, context.remote_id)
+        if runner is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        taken = await runner.take_forwarded(context.remote_id, achain(as_aiter(first), stream))
+        code = averaging_pb2.AVERAGED_PART if taken else averaging_pb2.PROTOCOL_VIOLATION
+        yield averaging_pb2.AveragingData(code=code)
+
+    async def rpc_audit_verdict(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """A member of a group asks for the verdict on the span this member audited, revealing
+        the seed of its projections in `peer_id` and naming the span in `weight` (audit.py)."""
+        runner = await self._audited_runner(request.group_id, context.remote_id)
+        if runner is None or len(request.peer_id) != 8 or not finite(request.weight):
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+        seed = int.from_bytes(request.peer_id, "big")
+        told = await runner.answer(context.remote_id, int(request.weight), seed)
+        reply = averaging_pb2.AveragingData(
+            code=averaging_pb2.AVERAGED_PART, peer_id=self.serializer.dumps(told)
+        )
+        self._traffic.add(SENT, reply)
+        return reply
+
+    async def _audited_runner(self, group_id: bytes, caller: PeerID) -> AuditedRunner | None:
+        """The audited all-reduce of group `group_id` when `caller` is one of its members
+        (waiting for this member to start it, as the parts' handler does)."""
+        runner = self._audits.get(group_id)
+        if runner is None:
+            try:
+                if await asyncio.wait_for(self._group_started(group_id), self._window_s):
+                    runner = self._audits.get(group_id)
+            except asyncio.TimeoutError:
+                return None
+        if runner is None or caller not in runner.sender_peer_ids:
+            return None
+        return runner
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if not await self._gate.allows(self.dht, context.remote_id):
+            return  # the caller sees no state and moves on
+        async for message in super().rpc_download_state(request, context):
+            self._traffic.add(SENT, message)
+            yield message
+
+    async def _step(self, *, step, future_for_init):
+        self._guard_leaders()
+        # a new round: one fewer to leave stalled members out of
+        self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
+        self._rounds += 1
+        self._leaders.clear()
+        self._led_by.clear()
+        self._assembled.clear()
+        self._round_at = step.scheduled_time
+        if self._gate.signing_key is not None:  # this step's copy, in this process
+            step._data_for_gather = seal(
+                self._gate.signing_key,
+                self.prefix,
+                self.peer_id.to_base58(),
+                self._round_at,
+                step.data_for_gather,
+            )
+        self._sealed = step.data_for_gather
+        try:
+            return await super()._step(step=step, future_for_init=future_for_init)
+        finally:
+            self._assembled.clear()  # its groups ran, or never will
+
+    def _guard_leaders(self) -> None:
+        """hivemind picks leaders from the DHT with no hook to refuse one: wrap the request so a
+        banned or unproven leader is skipped like one that said no."""
+        matchmaking = getattr(self, "_matchmaking", None)
+        if matchmaking is None or getattr(matchmaking, "_atom_guarded", False):
+            return
+        ask = matchmaking._request_join_group
+        assemble = matchmaking.follower_assemble_group
+        lead = matchmaking.leader_assemble_group
+
+        async def guarded(leader: PeerID):
+            if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
+                return None
+            self._asking += 1  # from the request until the leader's group, or its end
+            try:
+                return await ask(leader)
+            finally:
+                self._asking -= 1
+
+        async def followed(leader: PeerID, message: Any):
+            group_info = await assemble(leader, message)
+            self._leaders[group_info.group_id] = leader  # whom to blame for forged metadata
+            self._assembled.add(group_info.group_id)
+            return group_info
+
+        async def led():
+            group_info = await lead()
+            self._assembled.add(group_info.group_id)
+            return group_info
+
+        matchmaking._request_join_group = guarded
+        matchmaking.follower_assemble_group = followed
+        matchmaking.leader_assemble_group = led
+        matchmaking._atom_guarded = True
+
+    # --- signed metadata (gather.py) --------------------------------------------------------
+
+    async def _unsealed(self, blob: bytes, peer_id: PeerID) -> tuple[bytes | None, str]:
+        """(hivemind's blob, "") when `peer_id` sealed `blob` for this round (open swarms seal
+        nothing: as it is); else (None, why)."""
+        if self._gate.signing_key is None:
+            return blob, ""
+        key = await self._gate.public_key(self.dht, peer_id)
+        return check(blob, self.prefix, peer_id.to_base58(), key, self._round_at, self._window_s)
+
+    async def _checked(self, group_info: Any) -> Any:
+        """The group with its members' metadata unsealed. Metadata a member did not seal can
+        only come from the leader, who forged or forwarded it: the round is discarded and the
+        leader rejected. Metadata its member sealed but no honest member sends (H1) rejects
+        that member. Either way this member still takes part, for the others."""
+        leader = self._leaders.pop(group_info.group_id, self.peer_id)
+        self._led_by[group_info.group_id] = leader
+        blobs: list[bytes] = []
+        forged: list[str] = []
+        unknown: list[str] = []
+        for peer_id, blob in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            data, why = await self._unsealed(blob, peer_id)
+            if peer_id == self.peer_id and blob != self._sealed:
+                data, why = None, "not what it sent"
+            if data is None:
+                (unknown if why == NO_KEY else forged).append(
+                    f"{peer_id.to_base58()[-8:]}'s ({why})"
+                )
+                opened = unseal(blob)
+                data = opened.data if opened is not None else blob
+            else:  # named before anything this round reports about it
+                self._events.put((peer_id.to_base58(), self._name_in(data), "name"))
+            blobs.append(data)
+        group_info = replace(group_info, gathered=tuple(blobs))
+        self._trusted = not (forged or unknown)
+        if forged:
+            self._discard.value = FORGED
+            if leader != self.peer_id:
+                self._reject(leader, f"led a round with forged metadata: {', '.join(forged)}")
+        elif unknown:  # no certificate in this peer's view (a DHT that did not answer): no blame
+            self._discard.value = UNVERIFIED
+        elif self._gate.signing_key is not None:  # open swarms: a leader could have made it up
+            for peer_id, data in zip(group_info.peer_ids, blobs, strict=True):
+                if not self._well_formed(data):
+                    self._discard.value = MALFORMED
+                    self._reject(peer_id, "signed malformed round metadata")
+        return group_info
+
+    def _name_in(self, data: bytes) -> str:
+        try:
+            info = self.serializer.loads(self.serializer.loads(data)[2])
+            return str(info.get("name", ""))[:64]
+        except Exception:  # malformed: named by its peer ID
+            return ""
+
+    def _well_formed(self, data: bytes) -> bool:
+        """hivemind's part and the fields every round reads, as an honest member sends them."""
+        defended = self._defence is not None  # the defences read the size it reports
+        try:
+            bandwidth, mode, user = self.serializer.loads(data)
+            info = self.serializer.loads(user)
+            numbers = [float(info["weight"]), float(info["probe"])]
+            if defended:
+                numbers.append(float(info["rms"]))
+            if bandwidth is not None:  # hivemind's default: unknown
+                numbers.append(float(bandwidth))
+            AveragingMode(mode)
+        except Exception:  # anything at all may have been signed
+            return False
+        return all(finite(x) and x >= 0 for x in numbers)
+
+    # --- robust all-reduce ------------------------------------------------------------------
+
+    async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        try:
+            group_info = await self._checked(group_info)
+            if not self._audited and any(
+                p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids
+            ):
+                # take part for the others; apply nothing (module docstring)
+                self._discard.value = self._discard.value or BANNED
+            return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            self._assembled.discard(group_info.group_id)  # ran: a late request is refused
+            started = self._running_groups.get(group_info.group_id)
+            if started is not None and not started.done():
+                started.cancel()  # this member will not run it: parts waiting for it end now
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        for tensor, original in zip(tensors, self._inputs, strict=True):
+            tensor.copy_(original)  # every attempt of a round starts from the round's input
+        held, probes = tensors
+        tensors, kwargs["tensor_infos"] = round_layout(held, probes, kwargs["peer_fractions"])
+        group_id = group_info.group_id if group_id is None else group_id
+        runner_type: type[ExactAverageRunner] = ExactAverageRunner
+        extra: dict[str, Any]
+        if self._defence is not None:
+            runner_type = AuditedRunner if self._defence.audit else RobustRunner
+            extra = self._robust_arguments(group_info, self._defence)
+            extra["on_stall"] = self._stall
+            if self._attack == "lying_auditor":  # bench attack only
+                extra["slander"] = SLANDER
+        elif self._attack == "lying_reducer":  # bench attack only: it lies in undefended swarms too
+            runner_type, extra = RobustRunner, self._robust_arguments(group_info, NO_DEFENCE)
+        else:  # an undefended round: the members' own weights
+            flags = membership(self._users(group_info))
+            ids = group_info.peer_ids
+            extra = {
+                "out_of_sync": {p for p, ok in zip(ids, flags, strict=True) if not ok},
+                "delta_keys": {key for key, kind in enumerate(self._kinds) if kind == DELTA},
+            }
+        runner = runner_type(
+            **extra,
+            leader=self._led_by.get(group_info.group_id),
+            traffic=self._traffic,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        if isinstance(runner, AuditedRunner):  # its auditor and members ask it after it ends
+            self._audits[group_id] = runner
+            while len(self._audits) > AUDITS_KEPT:
+                del self._audits[next(iter(self._audits))]
+        self._running_groups[group_id].set_result(runner)
+        index = 0
+        async for average in runner:  # to its end: an audited round is checked after the last
+            tensors[index].copy_(average)  # the same bits on every member (exact.py)
+            index += 1
+        self.last_updated = get_dht_time()
+        self._state_updated.set()
+
+    def _lie(self) -> float:
+        """bench attack's lying reducer: as far as the swarm's check lets it (its own defences'
+        bounds, which every member shares; the defaults in an undefended swarm). With fewer
+        than three members in sync it returns an average of the largest size the pair check
+        accepts instead (robust.RobustReducer)."""
+        if self._attack != "lying_reducer":
+            return 0.0
+        return lie_sizes((self._defence or Defence()).reduced)
+
+    def _users(self, group_info: Any) -> list[dict[str, Any]]:
+        """What each member told the group, in group order ({} where malformed)."""
+        users: list[dict[str, Any]] = []
+        for blob in group_info.gathered:
+            try:
+                user = self.serializer.loads(self.serializer.loads(blob)[2])
+                users.append(user if isinstance(user, dict) else {})
+            except Exception:  # malformed metadata: the probe check discards the round
+                users.append({})
+        return users
+
+    def _robust_arguments(self, group_info: Any, defence: Defence) -> dict[str, Any]:
+        """The robust runner's view of the group, from the metadata its members gathered
+        (NO_DEFENCE: hivemind's plain weighted mean, for a lying reducer in an undefended
+        swarm)."""
+        users = self._users(group_info)
+        ids = group_info.peer_ids
+        flags = membership(users)
+        claimed = [_number(u.get("weight")) for u in users]
+        weights = (
+            [w if math.isfinite(w) and w > 0 else MIN_WEIGHT for w in claimed]
+            if defence == NO_DEFENCE
+            else equal_weights(claimed)
+        )
+        if defence != NO_DEFENCE:  # the group's smallest typical update: what most declare
+            declared = [_number(u.get("min_scale")) for u in users]
+            valid = [x for x in declared if math.isfinite(x) and x >= 0]
+            if valid:
+                defence = replace(defence, min_scale=lower_median(valid))
+        return {
+            "kinds": self._kinds,
+            "weights": dict(zip(ids, weights, strict=True)),
+            "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
+            "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
+            "in_sync": dict(zip(ids, flags, strict=True)),
+            "defence": defence,
+            # metadata the leader forged may make an honest member look bad: no one is judged
+            "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
+            "on_doubt": self._stall if self._trusted else lambda peer_id, why: None,
+            "on_agreement": self._agreement if self._trusted else None,
+            "lie": self._lie(),  # bench attack only
+        }
+
+
+def _number(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
