@@ -106,6 +106,23 @@ def test_plan_for_gpt3_on_a_24gb_device(tmp_path: Path):
     assert_one_line_error(bad, "cannot read 'lots' as a size")
 
 
+def test_plan_counts_a_weight_average_in_host_memory(tmp_path: Path):
+    """`--weight-average` (a run with train.ema) adds a float32 copy of the weights."""
+    plans = [
+        json.loads(
+            run_cli(
+                "plan", "--model", "small", "--host-memory", "64GB", "--json", *extra, cwd=tmp_path
+            ).stdout
+        )
+        for extra in ([], ["--weight-average"])
+    ]
+    assert (
+        plans[1]["host_memory_bytes"] - plans[0]["host_memory_bytes"] == 4 * plans[0]["parameters"]
+    )
+    assert "weight average" in plans[1]["host_memory"]
+    assert "weight average" not in plans[0]["host_memory"]
+
+
 def test_train_through_the_engine_and_resume_plainly(prepared: Path, tmp_path: Path):
     proc = run_cli(
         "train",

@@ -81,6 +81,40 @@ def test_swapped_training_matches_plain(clip: float, m: int):
     assert engine.memory.used == 0  # everything reserved was released
 
 
+def test_the_weight_average_follows_each_submodel_as_plain_training_averages_the_whole():
+    """train.ema with the swap engine: the average is updated on the optimizer thread as each
+    sub-model is stepped (a skipped step included), and ends where the plain runner's average,
+    updated after each whole step, does."""
+    from atomtrain.train.averaged import WeightAverage
+
+    plain_model = gpt()
+    swap_model = copy.deepcopy(plain_model)
+    plain = PlainRunner(
+        plain_model, AdamW(dict(plain_model.named_parameters()), AdamWConfig()), 2, 1.0, CPU
+    )
+    engine = SwapEngine(swap_model, MIXED, EngineConfig(budget_bytes=1 << 30), CPU)
+    swap = SwapRunner(engine, AdamW(dict(swap_model.named_parameters()), AdamWConfig()), 2, 1.0)
+    averages = [WeightAverage(r.host_parameters(), 0.9) for r in (plain, swap)]
+    swap_params = swap.host_parameters()
+    for step, (x, y) in enumerate(batches(5)):
+        if step == 4:  # the last step's gradients overflow (block 1's backward): skipped by both
+            swap.sync()  # (the optimizer thread may still be stepping the weight)
+            with torch.no_grad():
+                for model in (plain_model, swap_model):
+                    model.blocks[1].mlp.fc.weight[0, 0] = 1e30
+        plain.train_step(x, y, lr=1e-2)
+        averages[0].update(plain.host_parameters())
+        swap.stepped = averages[1].follow(swap_params)
+        swap.train_step(x, y, lr=1e-2)
+    swap.sync()
+    assert swap.stepped is None  # each follow() is one step's
+    assert averages[0].updates == averages[1].updates == 5
+    for name, s in averages[0].shadow.items():
+        assert rel_diff(s, averages[1].shadow[name]) <= 1e-5, name
+        assert not torch.equal(s, plain_model.get_parameter(name)), name  # an average, not them
+    swap.close()
+
+
 def test_accounted_peak_stays_under_the_planned_budget():
     model = gpt()
     prof = measure_profile(model, rows=4, seq_len=16, device=CPU, reps=1)

@@ -67,7 +67,11 @@ def params_of(session) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in session.model.named_parameters()}
 
 
-@pytest.mark.parametrize("ema", [[], ["--train.ema=0.9"]], ids=["weights", "weight-average"])
+@pytest.mark.parametrize(
+    "ema",
+    [[], ["--train.ema=0.9"], ["--train.ema=0.9", "--engine.device_memory=4MB"]],
+    ids=["weights", "weight-average", "weight-average-swap-engine"],  # (updated piecewise)
+)
 def test_resume_continues_exactly(prepared: Path, tmp_path: Path, ema: list[str]):
     whole = open_session(config(prepared, tmp_path / "a", "--train.steps=20", *ema))
     whole.trainer.fit()

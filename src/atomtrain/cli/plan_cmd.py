@@ -34,6 +34,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=0.38,
         help="host AdamW throughput in billions of parameters per second",
     )
+    p.add_argument(
+        "--weight-average",
+        action="store_true",
+        help="count a float32 moving average of the weights in host memory (train.ema)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)
 
@@ -93,6 +98,7 @@ def run_plan(args: argparse.Namespace, _extra: list[str]) -> int:
         parse_bytes(args.host_memory) if args.host_memory else machine_memory_bytes(),
         args.host_adam_gparams * 1e9,
         args.dtype_bytes,
+        weight_average=args.weight_average,
     )
     host_line = host_memory_line(prof, plan, host)
     opt_s = optimizer_cost_s(prof, pred.step_s, host)

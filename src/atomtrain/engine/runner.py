@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -62,11 +63,24 @@ class SwapRunner:
         self.submodel_names = [
             [n for i in s.blocks for n in self.names[i]] for s in engine.plan.submodels
         ]
+        self.stepped: Callable[[list[str]], None] | None = None
+        """Told, on the optimizer thread, the names of the parameters each optimizer step of the
+        next train_step wrote, as it writes them (the trainer's weight average, train.ema:
+        updated there, it does not make the next forward wait for the last step)."""
 
-    def _schedule(self, k: int, names: list[str], lr: float, scale: float) -> None:
+    def _schedule(
+        self,
+        k: int,
+        names: list[str],
+        lr: float,
+        scale: float,
+        stepped: Callable[[list[str]], None] | None,
+    ) -> None:
         def step() -> None:
             t0 = time.perf_counter()
             self.optimizer.step(names, lr, scale)
+            if stepped is not None:
+                stepped(names)
             self.engine.refresh_staging(names)
             self.stats.optimizer_s += time.perf_counter() - t0
             self.engine.trace.record("opt_step", k)
@@ -91,12 +105,15 @@ class SwapRunner:
         norm = scaled / loss_scale
         finite = math.isfinite(norm)
         self.scaler.update(finite)
+        stepped, self.stepped = self.stepped, None  # this step's only
         if finite:
             scale = clip_scale(norm, self.grad_clip) / loss_scale
             # The outer part first: the next forward starts with it.
-            self._schedule(-1, self.engine.outer_param_names, lr, scale)
+            self._schedule(-1, self.engine.outer_param_names, lr, scale, stepped)
             for k, names in enumerate(self.submodel_names):
-                self._schedule(k, names, lr, scale)
+                self._schedule(k, names, lr, scale, stepped)
+        elif stepped is not None:  # a skipped step: the average follows the unchanged weights
+            stepped(list(self.engine.host_params))
         self.stats.waited_s = self.engine.gate_wait_s
         return {"loss": total, "grad_norm": norm}
 

@@ -42,12 +42,26 @@ class WeightAverage:
             if kind not in self._spare or self._spare[kind].numel() < s.numel():
                 self._spare[kind] = torch.empty(s.numel(), dtype=s.dtype, device=s.device)
 
-    @torch.no_grad()
     def update(self, params: dict[str, torch.Tensor]) -> None:
+        """One step's update, of every parameter at once."""
+        self.follow(params)(list(self.shadow))
+
+    def follow(self, params: dict[str, torch.Tensor]) -> Callable[[list[str]], None]:
+        """One step's update, made piecewise: call what this returns with the names of the
+        parameters the step wrote, as it writes them (the swap engine's optimizer thread, sub-model
+        by sub-model, so the next forward need not wait for every step to end). The step's decay
+        is fixed now: a later step's call does not change it."""
         self.updates += 1
-        decay = min(self.decay, (1 + self.updates) / (WARMUP + self.updates))
-        for name, s in self.shadow.items():
-            s.lerp_(params[name].detach(), 1.0 - decay)
+        weight = 1.0 - min(self.decay, (1 + self.updates) / (WARMUP + self.updates))
+
+        @torch.no_grad()
+        def written(names: list[str]) -> None:
+            for name in names:
+                s = self.shadow.get(name)
+                if s is not None:
+                    s.lerp_(params[name].detach(), weight)
+
+        return written
 
     @torch.no_grad()
     def adopt(self, params: dict[str, torch.Tensor]) -> None:

@@ -40,8 +40,9 @@ class TrainConfig:
     """Decay of a moving average of the weights kept beside them (0: none; 0.98 averages about
     the last 50 steps). With it, validation losses are the average's, checkpoints carry it and
     `export` and `sample` use it: train/averaged.py. It costs one float32 copy of the model
-    (counted by the swap engine's host check) and a pass over it per step; with the swap engine
-    that pass waits for the host optimizer's step, which the next forward would overlap."""
+    (counted by the swap engine's host check, and by `atomtrain plan --weight-average`) and a
+    pass over it per step; with the swap engine that pass runs on the host optimizer's thread
+    as each sub-model is stepped, so the next forward still overlaps it."""
 
     def __post_init__(self) -> None:
         positive = (

@@ -63,7 +63,8 @@ class Trainer:
     """Also write TensorBoard event files to run_dir/tensorboard."""
     average: WeightAverage | None = None
     """The weights' moving average (`train.ema`): updated after each step (a swarm round
-    included), validated in place of the weights, saved with them."""
+    included; with the swap engine, on its optimizer thread as each sub-model is stepped, and a
+    round's change from the next step on), validated in place of the weights, saved with them."""
 
     def __post_init__(self) -> None:
         board = self.run_dir / "tensorboard" if self.tensorboard else None
@@ -105,14 +106,21 @@ class Trainer:
         start_tokens = self.state.tokens
         if self.state.step == 0:
             self._log_eval()
+        # the swap engine updates the average as its optimizer steps each sub-model (a runner's
+        # `stepped`); any other runner, after the whole step
+        followed = self.average is not None and hasattr(self.runner, "stepped")
+        params = self.runner.host_parameters() if followed else {}
         while self.state.step < self.cfg.steps and not self.stop.is_set():
+            if followed:
+                assert self.average is not None
+                self.runner.stepped = self.average.follow(params)  # type: ignore[attr-defined]
             record = self._one_step()
             elapsed = time.perf_counter() - start_time
             record["tokens_per_s"] = (self.state.tokens - start_tokens) / max(elapsed, 1e-9)
             record["elapsed_s"] = elapsed
             if self.after_step:
                 self.after_step(self.state, record)
-            if self.average is not None:
+            if self.average is not None and not followed:
                 self.average.update(self.runner.host_parameters())
             last = self.state.step == self.cfg.steps
             if self.state.step % self.cfg.eval_interval == 0 or last:
