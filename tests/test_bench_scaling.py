@@ -15,7 +15,7 @@ import torch
 
 from atomtrain.bench.cgroup import CPU_ROOT
 from atomtrain.bench.scaling_launch import Proc, SystemRun, Tail
-from atomtrain.bench.scaling_report import baseline_seed, spread, swarm_seed
+from atomtrain.bench.scaling_report import baseline_seed, busy_fraction, spread, swarm_seed
 from atomtrain.train.metrics import MetricsLog, read_metrics
 
 
@@ -41,6 +41,15 @@ def test_metrics_records_carry_unix_time_so_the_bench_can_time_from_launch(tmp_p
     assert before <= first["time"] <= after
     assert first["step"] == 1 and first["loss"] == 2.0
     assert second["time"] == 5.0
+
+
+def test_the_busy_fraction_counts_the_initial_validation():
+    """Validation is compute: the one before the first step too (a trainer's step-0 record)."""
+    records = [
+        {"step": 0, "val_loss": 5.0, "eval_s": 1.0, "elapsed_s": 1.0},
+        {"step": 1, "loss": 4.0, "step_s": 2.0, "elapsed_s": 4.0},
+    ]
+    assert busy_fraction(records) == 0.75
 
 
 def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):

@@ -130,6 +130,7 @@ def test_refused_train_leaves_no_run_behind(atom, tmp_path: Path, prepared: Path
         (["train", "--train.steps=1e400"], "train.steps"),
         (["train", "--train.ema=1"], "train.ema"),
         (["train", "--train.ema=nan"], "train.ema"),
+        (["train", "--train.ema=0.9", "--train.ema_every=0"], "train.ema_every"),
         (["train", "--run.name=../escape"], "run.name"),
         (["data", "prepare", "stdlib", "out", "--tokenizer", "bpe", "--vocab-size", "-5"], "vocab"),
     ],

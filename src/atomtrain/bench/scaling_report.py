@@ -16,9 +16,9 @@ Records = list[dict[str, Any]]
 
 
 def busy_fraction(records: Records) -> float | None:
-    """Compute seconds / wall seconds while training (a trainer's steps and validations, or a
-    baseline worker's `busy_s`)."""
-    steps = [r for r in records if "step_s" in r or "busy_s" in r]
+    """Compute seconds / wall seconds while training (a trainer's steps and validations, the
+    initial one included, or a baseline worker's `busy_s`)."""
+    steps = [r for r in records if "step_s" in r or "eval_s" in r or "busy_s" in r]
     if not steps:
         return None
     busy = sum(r.get("step_s", 0.0) + r.get("eval_s", 0.0) + r.get("busy_s", 0.0) for r in steps)

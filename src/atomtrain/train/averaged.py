@@ -27,12 +27,16 @@ the decay is 0.9 at update 80 and 0.98 at update 440."""
 
 
 class WeightAverage:
-    """The moving average of `params` (name -> master tensor), updated after each step."""
+    """The moving average of `params` (name -> master tensor), updated after every `every`-th
+    step by decay**every (one pass over the model each time: `train.ema_every`). `updates`
+    counts the steps it covers."""
 
-    def __init__(self, params: dict[str, torch.Tensor], decay: float) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], decay: float, every: int = 1) -> None:
         if not 0.0 < decay < 1.0:
             raise AtomError(f"train.ema must be in (0, 1), got {decay}")
-        self.decay = decay
+        if every < 1:
+            raise AtomError(f"train.ema_every must be positive, got {every}")
+        self.decay, self.every = decay, every
         self.updates = 0
         check_unaliased(params)
         self.shadow = {n: p.detach().clone() for n, p in params.items() if p.is_floating_point()}
@@ -42,24 +46,30 @@ class WeightAverage:
             if kind not in self._spare or self._spare[kind].numel() < s.numel():
                 self._spare[kind] = torch.empty(s.numel(), dtype=s.dtype, device=s.device)
 
+    def due(self, step: int) -> bool:
+        """The average is updated after step `step` (counted from 1)."""
+        return step % self.every == 0
+
     def update(self, params: dict[str, torch.Tensor]) -> None:
-        """One step's update, of every parameter at once."""
+        """One update, of every parameter at once."""
         self.follow(params)(list(self.shadow))
 
     def follow(self, params: dict[str, torch.Tensor]) -> Callable[[list[str]], None]:
-        """One step's update, made piecewise: call what this returns with the names of the
-        parameters the step wrote, as it writes them (the swap engine's optimizer thread, sub-model
-        by sub-model, so the next forward need not wait for every step to end). The step's decay
-        is fixed now: a later step's call does not change it."""
-        self.updates += 1
-        weight = 1.0 - min(self.decay, (1 + self.updates) / (WARMUP + self.updates))
+        """One update, made piecewise: call what this returns with the names of the parameters
+        the step wrote, as it writes them (the swap engine's optimizer thread, sub-model by
+        sub-model, so the next forward need not wait for every step to end). The update's decay
+        is fixed now: a later update does not change it."""
+        self.updates += self.every
+        ramp = (1 + self.updates) / (WARMUP + self.updates)
+        weight = 1.0 - min(self.decay, ramp) ** self.every
 
         @torch.no_grad()
         def written(names: list[str]) -> None:
-            for name in names:
-                s = self.shadow.get(name)
-                if s is not None:
-                    s.lerp_(params[name].detach(), weight)
+            named = [n for n in names if n in self.shadow]
+            if named:  # one fused pass (a lerp per tensor cost 0.8 ms a step for `small`)
+                torch._foreach_lerp_(
+                    [self.shadow[n] for n in named], [params[n].detach() for n in named], weight
+                )
 
         return written
 

@@ -43,6 +43,9 @@ class TrainConfig:
     (counted by the swap engine's host check, and by `atomtrain plan --weight-average`) and a
     pass over it per step; with the swap engine that pass runs on the host optimizer's thread
     as each sub-model is stepped, so the next forward still overlaps it."""
+    ema_every: int = 1
+    """Update the weight average after every this many steps, by ema**ema_every: that many
+    times fewer passes over the model, for an average that lags up to ema_every - 1 steps."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -52,6 +55,7 @@ class TrainConfig:
             "eval_batches",
             "checkpoint_interval",
             "keep_checkpoints",
+            "ema_every",
         )
         for name in positive:
             if getattr(self, name) <= 0:

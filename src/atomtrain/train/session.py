@@ -386,7 +386,9 @@ def open_session(
         tensorboard=cfg.log.tensorboard,
     )
     if cfg.train.ema:
-        trainer.average = WeightAverage(runner.host_parameters(), cfg.train.ema)
+        trainer.average = WeightAverage(
+            runner.host_parameters(), cfg.train.ema, cfg.train.ema_every
+        )
         if saved is not None:
             trainer.average.take(saved, saved_updates)
         elif ckpt is not None:

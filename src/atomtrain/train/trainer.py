@@ -104,15 +104,18 @@ class Trainer:
         """Train from `state.step` to `cfg.steps`, or until `stop` is set."""
         start_time = time.perf_counter()
         start_tokens = self.state.tokens
-        if self.state.step == 0:
-            self._log_eval()
+        if self.state.step == 0:  # the initial weights' loss: compute on the run's clock too
+            val = self.evaluate()
+            elapsed = time.perf_counter() - start_time
+            self.metrics.write(
+                {"step": 0, "val_loss": val, "eval_s": elapsed, "elapsed_s": elapsed}
+            )
         # the swap engine updates the average as its optimizer steps each sub-model (a runner's
         # `stepped`); any other runner, after the whole step
         followed = self.average is not None and hasattr(self.runner, "stepped")
         params = self.runner.host_parameters() if followed else {}
         while self.state.step < self.cfg.steps and not self.stop.is_set():
-            if followed:
-                assert self.average is not None
+            if followed and self.average is not None and self.average.due(self.state.step + 1):
                 self.runner.stepped = self.average.follow(params)  # type: ignore[attr-defined]
             record = self._one_step()
             elapsed = time.perf_counter() - start_time
@@ -120,12 +123,12 @@ class Trainer:
             record["elapsed_s"] = elapsed
             if self.after_step:
                 self.after_step(self.state, record)
-            if self.average is not None and not followed:
+            if self.average is not None and not followed and self.average.due(self.state.step):
                 self.average.update(self.runner.host_parameters())
             last = self.state.step == self.cfg.steps
             if self.state.step % self.cfg.eval_interval == 0 or last:
                 t_eval = time.perf_counter()
-                record["val_loss"] = self._log_eval(write=False)
+                record["val_loss"] = self.evaluate()
                 record["eval_s"] = time.perf_counter() - t_eval
             self.metrics.write(record)
             if self.on_step:
@@ -161,12 +164,6 @@ class Trainer:
         if stats is not None:  # data echoing reports its echo factor
             record.update(stats())
         return record
-
-    def _log_eval(self, write: bool = True) -> float:
-        val = self.evaluate()
-        if write:
-            self.metrics.write({"step": self.state.step, "val_loss": val})
-        return val
 
     def save(self) -> Path:
         """A checkpoint of the current step (an existing one for this step is kept as it is)."""
