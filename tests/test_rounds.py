@@ -73,7 +73,7 @@ class Driver:
 
 
 def addr(d: Driver) -> str:
-    return d.peer.addrs[0]
+    return d.peer.presence.addrs[0]
 
 
 def steps_until(drivers: list[Driver], done, limit_s: float = 60.0) -> None:
@@ -114,7 +114,8 @@ def test_a_fresh_swarm_needs_no_download_and_rounds_agree(pair):
     assert a.peer.round == b.peer.round
     assert torch.equal(a.peer.theta_sync, b.peer.theta_sync)
     assert torch.equal(a.peer.outer.buf, b.peer.outer.buf)
-    assert a.peer.sync_every == b.peer.sync_every  # the group's choice: they stay in phase
+    # the group's choice: they stay in phase
+    assert a.peer.clock.sync_every == b.peer.clock.sync_every
 
 
 def test_a_round_without_a_group_changes_nothing_and_local_steps_never_wait(tmp_path: Path):
@@ -187,9 +188,9 @@ def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(
         b.peer._sketch = b.peer.sketcher.of(b.peer.theta_sync)
         b.peer.outer.buf.normal_()
     before, a_round, a_failed = b.peer.round, a.peer.round, a.peer.failed_rounds
-    steps_until([a, b], lambda: b.peer._resync is not None or b.peer.round > before + 1)
-    assert b.peer._resync is not None, "b did not find itself out of sync"
-    steps_until([a, b], lambda: b.peer._resync is None)
+    steps_until([a, b], lambda: b.peer.resync.pending is not None or b.peer.round > before + 1)
+    assert b.peer.resync.pending is not None, "b did not find itself out of sync"
+    steps_until([a, b], lambda: b.peer.resync.pending is None)
     # a, with no other member in sync, applied no round of its own update alone (a round only
     # it held, which b's download could not have been checked against): b took a's round
     assert a.peer.round == a_round and a.peer.failed_rounds > a_failed
@@ -221,17 +222,18 @@ def test_with_h_auto_peers_agree_on_a_period_and_start_rounds_in_the_same_slot(p
     start = a.peer.round
     steps_until([a, b], lambda: a.peer.round >= start + 3 and b.peer.round >= start + 3, limit_s=90)
     settle([a, b])
-    assert a.peer.period_s == b.peer.period_s > 0  # the group's choice
-    assert math.log2(a.peer.period_s / 0.5).is_integer()  # on the period ladder
-    assert a.peer.round_slot == b.peer.round_slot  # both began the last round on one slot
-    assert a.peer.round_slot % 0.5 == 0  # a multiple of the period then in force
+    assert a.peer.clock.period_s == b.peer.clock.period_s > 0  # the group's choice
+    assert math.log2(a.peer.clock.period_s / 0.5).is_integer()  # on the period ladder
+    # both began the last round on one slot
+    assert a.peer.clock.round_slot == b.peer.clock.round_slot
+    assert a.peer.clock.round_slot % 0.5 == 0  # a multiple of the period then in force
 
 
 def test_a_downloaded_state_sets_the_schedule_where_the_swarm_stands_not_where_it_says(pair):
     a, b = pair
 
     def published() -> list[PeerStatus]:
-        return [s for s in b.peer.live_others() if s.schedule_step > 0]
+        return [s for s in b.peer.presence.live_others() if s.schedule_step > 0]
 
     steps_until([a, b], lambda: bool(published()))
     settle([a, b])
@@ -241,7 +243,7 @@ def test_a_downloaded_state_sets_the_schedule_where_the_swarm_stands_not_where_i
     with b.peer.lock:
         held = [b.peer.theta_sync.clone(), b.peer.outer.buf.clone()]
     for served in (10**9, -5, "x", None):  # what a serving peer may claim
-        b.peer._known_others = others
+        b.peer.presence.known_others = others
         b.peer._load({"round": b.peer.round, "step": served}, held, mode="resync")
         assert b.state.step + b.state.schedule_offset == swarm_step
         assert b.peer._schedule_step == swarm_step
@@ -255,6 +257,7 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
 
     from atomtrain.peer.agreement import RoundDigest, disagreement
     from atomtrain.peer.averaging import RoundResult
+    from atomtrain.peer.presence import Presence
     from atomtrain.peer.sync import group_live, quorum
 
     # why: a pair round applied by honest p with a liar that publishes another digest; q and r
@@ -273,19 +276,17 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
         return PeerStatus(name, 3, 30, 2.0, 1.0, 0.0, **{"peer_id": f"id-{name}", **kw})
 
     averager = SimpleNamespace(rejected_ids={"id-banned"}, left_out_ids={"id-staller"})
-    peer = SimpleNamespace(
-        averager=averager,
-        _known_others=[
-            status("live"),
-            status("finished", done=True),  # past its last round: no more rounds with it
-            status("finishing", finishing=True),  # waits for the last round: counts
-            status("renamed", peer_id="id-banned"),  # a banned member, under another name
-            status("staller"),
-        ],
-    )
-    assert PeerRuntime._live_members(peer) == 3  # this one, "live" and "finishing"
+    presence = Presence(SimpleNamespace(averager=averager))
+    presence.known_others = [
+        status("live"),
+        status("finished", done=True),  # past its last round: no more rounds with it
+        status("finishing", finishing=True),  # waits for the last round: counts
+        status("renamed", peer_id="id-banned"),  # a banned member, under another name
+        status("staller"),
+    ]
+    assert presence.live_members() == 3  # this one, "live" and "finishing"
     averager.left_out_ids.clear()  # a round with the staller landed again: it counts
-    assert PeerRuntime._live_members(peer) == 4
+    assert presence.live_members() == 4
 
     # the group decides from what its members told it: the largest claim, the same for all
     assert group_live([{"live": 2}, {"live": 3}]) == 3
@@ -366,15 +367,15 @@ def test_a_peer_of_another_protocol_is_named_and_never_averaged_with(pair, tmp_p
     c = Driver(tmp_path, "c", join=addr(a), seed=3, defend=False)
     try:
         # c found a and b but takes no state from them and never waits on them
-        assert c.peer.live_others() == []
-        assert c.peer._foreign == {a.peer.peer_id, b.peer.peer_id}
+        assert c.peer.presence.live_others() == []
+        assert c.peer.presence.foreign == {a.peer.peer_id, b.peer.peer_id}
         assert c.peer.round == 0
         deadline = time.time() + 30
-        while c.peer.peer_id not in a.peer._foreign:
+        while c.peer.peer_id not in a.peer.presence.foreign:
             assert time.time() < deadline, "a never read c's status"
-            a.peer.live_others()
+            a.peer.presence.live_others()
             time.sleep(0.5)
-        assert c.peer.peer_id not in {s.peer_id for s in a.peer.live_others()}
+        assert c.peer.peer_id not in {s.peer_id for s in a.peer.presence.live_others()}
         start = a.peer.round
         steps_until([a, b, c], lambda: a.peer.round >= start + 1 and b.peer.round >= start + 1)
         settle([a, b, c])
@@ -384,7 +385,7 @@ def test_a_peer_of_another_protocol_is_named_and_never_averaged_with(pair, tmp_p
 
 
 def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():
-    from atomtrain.peer.runtime import _next_slot, on_ladder
+    from atomtrain.peer.clock import next_slot, on_ladder
 
     assert [on_ladder(s) for s in (0.01, 0.5, 1.0, 1.01, 3.5, 4.0, 4.1)] == [
         0.5,
@@ -399,11 +400,11 @@ def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():
     assert on_ladder(10.0, below=7.0) == 4.0 and on_ladder(10.0, below=0.1) == 0.5
     # any two rungs nest: every slot of the longer period is a slot of the shorter
     assert all(on_ladder(b) % on_ladder(a) == 0 for a in (0.3, 1.7, 3.2) for b in (3.3, 9.0))
-    assert _next_slot(100.2, 2.5) == 102.5 and _next_slot(102.5, 2.5) == 105.0
+    assert next_slot(100.2, 2.5) == 102.5 and next_slot(102.5, 2.5) == 105.0
 
 
 def test_a_starting_peer_takes_the_swarms_period_or_a_power_of_two_that_nests():
-    from atomtrain.peer.runtime import first_period
+    from atomtrain.peer.clock import first_period
 
     # alone at the start: 10 steps' time, up to 0.5 s times a power of two
     assert [first_period(s, []) for s in (0.01, 0.12, 0.15, 0.2, 0.21, 1.0)] == [
@@ -469,6 +470,8 @@ def test_a_finisher_whose_last_round_did_not_land_ends_on_the_state_the_others_t
     import threading
     from types import SimpleNamespace
 
+    from atomtrain.peer.finish import Finisher
+
     g = torch.Generator().manual_seed(1)
     params = {"w": torch.randn(50, generator=g), "b": torch.randn(7, generator=g)}
     pieces = cut_pieces({n: p.numel() for n, p in params.items()}, pieces_hint=4)
@@ -484,7 +487,7 @@ def test_a_finisher_whose_last_round_did_not_land_ends_on_the_state_the_others_t
         on_replaced=lambda: told.append("trainer"),
     )
     peer._weights_replaced = lambda: PeerRuntime._weights_replaced(peer)
-    PeerRuntime.end_on_sync(peer)
+    Finisher(peer).end_on_sync()
     assert torch.equal(flatten(params, pieces), theta)
     # the runner derives its copies again; the trainer's weight average restarts from here
     assert told == ["runner", "trainer"]

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 AGREEMENT_TTL_S = 30.0
 LIVE_S = 16.0
 """A record stored longer ago than this is a dead peer's: a live one stores it again as each
-round lands and at least every 10 s (runtime.REPUBLISH_EVERY_S, at a 2 s status tick)."""
+round lands and at least every 10 s (presence.REPUBLISH_EVERY_S, at a 2 s status tick)."""
 KEPT_ROUNDS = 3
 """Rounds a record holds: a state served at a round is still checkable while the swarm takes
 the next ones."""

@@ -7,7 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from atomtrain.peer.layout import digest
+from atomtrain.peer.layout import digest, param_slice
 from atomtrain.peer.status import PeerStatus
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ class Finisher:
         # enough: an all-reduce already under way goes on in hivemind's process.
         peer._poll(record, wait=True)
         deadline = time.time() + peer.cfg.state_timeout_s
-        while peer._resync is not None and time.time() < deadline:
-            peer._poll_resync(record)
+        while peer.resync.pending is not None and time.time() < deadline:
+            peer.resync.poll(record)
             time.sleep(0.05)
         if peer.averager is None or peer.dht is None:
             return
@@ -43,7 +43,7 @@ class Finisher:
         deadline = time.time() + peer.cfg.final_wait_s
         others: list[PeerStatus] = []
         while time.time() < deadline:
-            others = peer.live_others()
+            others = peer.presence.live_others()
             if all(s.finishing for s in others):
                 break
             time.sleep(0.25)
@@ -65,10 +65,22 @@ class Finisher:
             # takes the result of the group holding the smallest peer ID, served from here
             # (they ask that peer first: state_sources)
             if "group_size" not in record:  # it did not land here (failed, or sync.quorum):
-                peer.end_on_sync()  # what the others take is the synchronized state: so here
+                self.end_on_sync()  # what the others take is the synchronized state: so here
             self._linger()
         else:
             self._adopt_final_state(record, smallest)
+
+    def end_on_sync(self) -> None:
+        """The model takes the synchronized parameters, its local progress left behind: the end
+        of a run whose last round did not land, where the other finishers take this peer's
+        synchronized state."""
+        peer = self.peer
+        params = peer.runner.host_parameters()
+        with peer.lock:
+            for piece in peer.pieces:
+                x = param_slice(params, piece)
+                x.copy_(peer.theta_sync[piece.offset : piece.offset + piece.numel].to(x))
+        peer._weights_replaced()
 
     def _catch_up(self, others: list[PeerStatus], record: dict[str, Any]) -> None:
         """A peer that finished early waited while the others went on with rounds: it takes the
@@ -80,7 +92,7 @@ class Finisher:
         if ahead <= peer.round:
             return
         state = peer.averager.download_state(
-            peer.cfg.state_timeout_s, peer.state_sources(fresh=True)
+            peer.cfg.state_timeout_s, peer.presence.state_sources(fresh=True)
         )
         problem = peer.checker.problem(state, min_round=ahead)
         if problem is not None:
@@ -97,7 +109,7 @@ class Finisher:
         # long enough for a left-out peer's own last round to time out and ask for the result
         deadline = time.time() + self.peer.cfg.averaging_timeout_s + LINGER_S
         while time.time() < deadline:
-            if all(s.done for s in self.peer.live_others()):
+            if all(s.done for s in self.peer.presence.live_others()):
                 return
             time.sleep(0.25)
 
@@ -106,10 +118,10 @@ class Finisher:
         assert peer.averager is not None
         deadline = time.time() + peer.cfg.averaging_timeout_s + LINGER_S
         while time.time() < deadline:  # its result is ready once it says it is done
-            if any(s.done for s in peer.live_others() if s.peer_id == representative):
+            if any(s.done for s in peer.presence.live_others() if s.peer_id == representative):
                 break
             time.sleep(0.25)
-        sources = peer.state_sources(first=representative, fresh=True)
+        sources = peer.presence.state_sources(first=representative, fresh=True)
         state = peer.averager.download_state(peer.cfg.state_timeout_s, sources)
         problem = peer.checker.problem(state)
         if problem is not None:

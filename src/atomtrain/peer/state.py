@@ -31,8 +31,8 @@ class StateCheck:
         """What the other peers published they hold (a DHT read)."""
         peer = self.peer
         assert peer.dht is not None
-        records = read_records(peer.dht, peer.cfg.swarm, exclude=peer._subkey)
-        return members_only(records, peer.roster(fresh=True))
+        records = read_records(peer.dht, peer.cfg.swarm, exclude=peer.presence.subkey)
+        return members_only(records, peer.presence.roster(fresh=True))
 
     def problem(
         self,
