@@ -436,6 +436,49 @@ def test_resynchronizing_keeps_the_local_progress():
     torch.testing.assert_close(params["w"] - theta, progress)
 
 
+def test_a_resync_moves_the_weight_average_with_the_weights():
+    """A re-synchronization keeps the local progress and moves the weights by the swarm's
+    state minus this peer's synchronized one: the trainer's weight average moves by the same
+    (its history kept), where a joiner's download restarts it."""
+    import threading
+    from types import SimpleNamespace
+
+    from atomtrain.train.averaged import WeightAverage
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(50, generator=g), "b": torch.randn(7, generator=g)}
+    pieces = cut_pieces({n: p.numel() for n, p in params.items()}, pieces_hint=4)
+    average = WeightAverage(params, 0.9)
+    for value in average.shadow.values():
+        value.add_(1.0)  # an average that is not the weights
+    gap = {n: params[n] - average.shadow[n] for n in params}
+    told: list[str] = []
+    peer = SimpleNamespace(
+        numel=57,
+        runner=SimpleNamespace(
+            host_parameters=lambda: params, parameters_written=lambda: told.append("runner")
+        ),
+        lock=threading.Lock(),
+        pieces=pieces,
+        theta_sync=flatten(params, pieces) - 0.5,
+        outer=SimpleNamespace(buf=torch.zeros(57)),
+        round=0,
+        presence=SimpleNamespace(round_changed=threading.Event()),
+        sketcher=Sketcher(57),
+        on_moved=lambda shift: shift(average.shadow),
+        _weights_replaced=lambda: told.append("replaced"),
+        train_state=None,
+    )
+    new = torch.randn(57, generator=g)
+    before = flatten(params, pieces)
+    PeerRuntime._load(peer, {"round": 3}, [new, torch.zeros(57)], mode="resync")
+    moved = flatten(params, pieces) - before
+    torch.testing.assert_close(moved, new - (before - 0.5))
+    for name in params:
+        torch.testing.assert_close(params[name] - average.shadow[name], gap[name])
+    assert told == ["runner"] and peer.round == 3  # not replaced: the average is not restarted
+
+
 def test_the_outer_step_moves_model_and_sync_alike():
     """The piecewise outer step against the flat DiLoCo formula."""
     g = torch.Generator().manual_seed(0)

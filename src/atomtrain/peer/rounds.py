@@ -141,8 +141,18 @@ def move_to(
     params: Mapping[str, torch.Tensor], pieces: list[Piece], theta: torch.Tensor, new: torch.Tensor
 ) -> None:
     """Re-synchronize: x <- x + (new - theta), theta <- new, keeping the local progress."""
+    shift_by(params, pieces, theta, new)
+    theta.copy_(new)
+
+
+def shift_by(
+    params: Mapping[str, torch.Tensor], pieces: list[Piece], theta: torch.Tensor, new: torch.Tensor
+) -> None:
+    """x <- x + (new - theta), piece by piece, for the pieces `params` holds (a weight average
+    holds the floating-point parameters only)."""
     for piece in pieces:
+        if piece.name not in params:
+            continue
         sl = slice(piece.offset, piece.offset + piece.numel)
         x = param_slice(params, piece)
         x.add_((new[sl] - theta[sl]).to(x))
-        theta[sl].copy_(new[sl])

@@ -30,7 +30,8 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from atomtrain.peer.rounds import (
     apply_outer_step,
     move_to,
     own_share_step,
+    shift_by,
     shift_to_own_share,
     write_contribution,
 )
@@ -129,8 +131,14 @@ class PeerRuntime:
         self.lock = threading.Lock()  # theta_sync, momentum, round: training vs state serving
         self.on_replaced: Callable[[], None] = lambda: None
         """Called when the model's weights were replaced rather than moved by a round (a state
-        downloaded, the swarm's last round, the end on the synchronized state): the trainer
-        restarts its weight average from them."""
+        downloaded to join, the swarm's last round, the end on the synchronized state): the
+        trainer restarts its weight average from them."""
+        self.on_moved: Callable[[Callable[[Mapping[str, torch.Tensor]], None]], None] = (
+            lambda shift: None
+        )
+        """Called when a re-synchronization moved the weights by the swarm's state minus this
+        peer's synchronized one (its local progress kept), with that shift: the trainer moves
+        its weight average by the same, so the average keeps its history."""
         self.on_final: Callable[[], None] = lambda: None
         """Called just before the last round: the trainer writes its weight average into the
         weights, so the last round averages the peers' averages."""
@@ -261,6 +269,7 @@ class PeerRuntime:
         with self.lock:
             new = tensors[0].float().reshape(-1)
             if mode == "resync":
+                self.on_moved(partial(shift_by, pieces=self.pieces, theta=self.theta_sync, new=new))
                 move_to(params, self.pieces, self.theta_sync, new)
             else:
                 self.theta_sync.copy_(new)
@@ -270,7 +279,9 @@ class PeerRuntime:
             self.round = int(meta["round"])
             self.presence.round_changed.set()
             self._sketch = self.sketcher.of(self.theta_sync)
-        if mode != "resume":
+        if mode == "resync":
+            self.runner.parameters_written()
+        elif mode != "resume":
             self._weights_replaced()
         if mode != "resume" and self.train_state is not None:
             # the learning-rate schedule follows the swarm's progress, not this peer's steps:

@@ -450,6 +450,7 @@ def attach_peer(session: Session, ckpt: Checkpoint | None) -> None:
     session.trainer.after_step = peer.after_step
     session.trainer.extra_state = peer.extra_state
     peer.on_replaced = session.trainer.restart_average
+    peer.on_moved = session.trainer.shift_average
     peer.on_final = session.trainer.adopt_average
     session.peer = peer
     if ckpt is not None and "peer/theta_sync" in ckpt.extra:

@@ -6,7 +6,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +89,13 @@ class Trainer:
         if self.average is not None:
             self.average.adopt(self.runner.host_parameters())
             self.runner.parameters_written()
+
+    def shift_average(self, shift: Callable[[Mapping[str, torch.Tensor]], None]) -> None:
+        """The weights were moved by `shift` (a swarm's re-synchronization, which keeps the local
+        progress): the average moves by the same, its history kept."""
+        if self.average is not None:
+            self.runner.host_parameters()  # waits for any optimizer step still running
+            shift(self.average.shadow)
 
     def restart_average(self) -> None:
         """The weights were replaced (the peer runtime's downloads, a swarm's last round): the
