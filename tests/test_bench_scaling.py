@@ -52,6 +52,19 @@ def test_the_busy_fraction_counts_the_initial_validation():
     assert busy_fraction(records) == 0.75
 
 
+def test_bench_wan_counts_steps_not_the_initial_validation():
+    """A trainer's step-0 record (a validation, no step) is compute but not a step."""
+    from atomtrain.bench.wan import _summary, trainer_log
+
+    records = [
+        {"step": 0, "val_loss": 5.0, "eval_s": 1.0, "elapsed_s": 1.0},
+        *[{"step": i, "loss": 4.0, "step_s": 1.0, "elapsed_s": 1.0 + i} for i in range(1, 5)],
+    ]
+    out = _summary([trainer_log(records, budget_s=60.0)], tokens_per_step=20, target=None)
+    assert out["steps"] == 4 and out["tokens_per_s"] == 80 / 5
+    assert out["device_busy_fraction"] == 1.0
+
+
 def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):
     peer = lambda t_hit, rounds: [  # noqa: E731
         {"step": 50, "loss": 3.0, "step_s": 0.5, "elapsed_s": 1.0, "round": rounds, "time": 101},

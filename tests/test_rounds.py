@@ -479,6 +479,30 @@ def test_a_resync_moves_the_weight_average_with_the_weights():
     assert told == ["runner"] and peer.round == 3  # not replaced: the average is not restarted
 
 
+def test_a_resync_before_the_first_reading_of_the_swarm_asks_its_group():
+    """The status thread has not read who is live yet: a re-synchronization (on the training
+    thread, where nothing reads the DHT) asks the members of its group that hold the group's
+    synchronized parameters, not nobody."""
+    from types import SimpleNamespace
+
+    from atomtrain.peer.averaging import RoundResult
+    from atomtrain.peer.resync import Resync
+
+    asked: list[list[str]] = []
+    peer = SimpleNamespace(
+        peer_id="me",
+        round=4,
+        cfg=SimpleNamespace(state_timeout_s=5.0),
+        presence=SimpleNamespace(known_others=[], state_sources=lambda: []),
+        averager=SimpleNamespace(
+            download_state=lambda timeout, sources, wait: asked.append(sources)
+        ),
+    )
+    result = RoundResult(3, [{"round": 4}] * 3, 0, [False, True, False], ["me", "a", "b"])
+    Resync(peer).start(result)  # type: ignore[arg-type]
+    assert asked == [["a"]]
+
+
 def test_the_outer_step_moves_model_and_sync_alike():
     """The piecewise outer step against the flat DiLoCo formula."""
     g = torch.Generator().manual_seed(0)

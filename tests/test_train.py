@@ -74,8 +74,15 @@ def params_of(session) -> dict[str, torch.Tensor]:
         ["--train.ema=0.9"],
         ["--train.ema=0.9", "--engine.device_memory=4MB"],  # (updated piecewise)
         ["--train.ema=0.9", "--train.ema_every=3"],  # (stopped at step 10: between updates)
+        ["--train.ema=0.9", "--train.ema_every=3", "--engine.device_memory=4MB"],
     ],
-    ids=["weights", "weight-average", "weight-average-swap-engine", "weight-average-every-3"],
+    ids=[
+        "weights",
+        "weight-average",
+        "weight-average-swap-engine",
+        "weight-average-every-3",
+        "weight-average-every-3-swap-engine",
+    ],
 )
 def test_resume_continues_exactly(prepared: Path, tmp_path: Path, ema: list[str]):
     whole = open_session(config(prepared, tmp_path / "a", "--train.steps=20", *ema))

@@ -100,9 +100,10 @@ class ScalingBenchConfig:
     target a matter of luck. Swarm peers average their own local weights the same way; DDP
     and the pipeline, bounded from the single peer's steps, validate their weights."""
     ema_every: int = 4
-    """Every system updates its average every this many steps (`--train.ema_every`; by
-    ema**ema_every): a pass over the model each step took 2-3% of a peer's time in its 0.45-core
-    quota (device busy 0.928 against 0.947 without an average, at 09d3049)."""
+    """Every system that keeps an average (all but DDP and the pipeline) updates it every this
+    many steps (`--train.ema_every`; by ema**ema_every): a pass over the model each step took
+    2-3% of a peer's time in its 0.45-core quota (device busy 0.928 against 0.947 without an
+    average, at 09d3049)."""
     eval_interval: int = 50
     """Steps between validations, for every system (about 7% of a peer's compute)."""
     eval_batches: int = 16

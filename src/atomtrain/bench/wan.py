@@ -177,17 +177,22 @@ def _run_atom(lab: NetLab, cfg: WanBenchConfig, data: Path, work: Path) -> list[
             p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             p.kill()
-    logs = []
-    for m in metrics:
-        log = []
-        for r in _read(m):
-            if "elapsed_s" in r and r["elapsed_s"] <= cfg.budget_s:  # the same budget as others
-                busy = r.get("step_s", 0.0) + r.get("eval_s", 0.0)  # evaluation is compute too
+    return [trainer_log(_read(m), cfg.budget_s) for m in metrics]
+
+
+def trainer_log(records: list[dict], budget_s: float) -> list[dict]:
+    """A trainer's metrics as the baseline worker logs them: a step entry ({t, busy_s}) per
+    step, a validation entry ({t, val_loss, busy_s}) per validation, within `budget_s`."""
+    log = []
+    for r in records:
+        if "elapsed_s" in r and r["elapsed_s"] <= budget_s:  # the same budget as others
+            busy = r.get("step_s", 0.0) + r.get("eval_s", 0.0)  # evaluation is compute too
+            if "loss" in r:  # a step (a validation before the first step is none)
                 log.append({"t": r["elapsed_s"], "busy_s": busy})
-                if "val_loss" in r:
-                    log.append({"t": r["elapsed_s"], "val_loss": r["val_loss"]})
-        logs.append(log)
-    return logs
+                busy = 0.0
+            if "val_loss" in r:
+                log.append({"t": r["elapsed_s"], "val_loss": r["val_loss"], "busy_s": busy})
+    return log
 
 
 def run_wan_bench(cfg: WanBenchConfig) -> dict:

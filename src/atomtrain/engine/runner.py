@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,9 @@ class OptimizerStats:
     waited_s: float = 0.0
     """Seconds the training thread waited for an optimizer step (loads gated on a step, the
     outer part's step, `sync`)."""
+    average_s: float = 0.0
+    """Seconds the optimizer thread spent updating the weight average (train.ema; not in
+    optimizer_s)."""
 
     @property
     def overlap_fraction(self) -> float:
@@ -65,8 +68,10 @@ class SwapRunner:
         ]
         self.stepped: Callable[[list[str]], None] | None = None
         """Told, on the optimizer thread, the names of the parameters each optimizer step of the
-        next train_step wrote, as it writes them (the trainer's weight average, train.ema:
-        updated there, it does not make the next forward wait for the last step)."""
+        next train_step wrote, after each (the trainer's weight average, train.ema: updated
+        there, it does not make the next forward wait for the last step; each update runs as
+        its own task after its step's, so a load gated on that step does not wait for it)."""
+        self._updates: list[Future] = []  # those tasks, which `sync` waits for too
 
     def _schedule(
         self,
@@ -79,15 +84,26 @@ class SwapRunner:
         def step() -> None:
             t0 = time.perf_counter()
             self.optimizer.step(names, lr, scale)
-            if stepped is not None:
-                stepped(names)
             self.engine.refresh_staging(names)
             self.stats.optimizer_s += time.perf_counter() - t0
             self.engine.trace.record("opt_step", k)
 
         self.engine.gates[k] = self.pool.submit(step)
+        if stepped is not None:
+            self._follow(stepped, names)
+
+    def _follow(self, stepped: Callable[[list[str]], None], names: list[str]) -> None:
+        """The average's update of `names`, queued after every optimizer task so far."""
+        self._updates = [f for f in self._updates if not f.done()]
+        self._updates.append(self.pool.submit(self._update_average, stepped, names))
+
+    def _update_average(self, stepped: Callable[[list[str]], None], names: list[str]) -> None:
+        t0 = time.perf_counter()
+        stepped(names)
+        self.stats.average_s += time.perf_counter() - t0
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> dict[str, float]:
+        stepped, self.stepped = self.stepped, None  # this step's only, even if it fails
         self.engine.model.train()
         rows = self.micro * self.engine.plan.micro_batches_per_load
         parts = split_rows(x, y, rows)
@@ -105,7 +121,6 @@ class SwapRunner:
         norm = scaled / loss_scale
         finite = math.isfinite(norm)
         self.scaler.update(finite)
-        stepped, self.stepped = self.stepped, None  # this step's only
         if finite:
             scale = clip_scale(norm, self.grad_clip) / loss_scale
             # The outer part first: the next forward starts with it.
@@ -113,7 +128,7 @@ class SwapRunner:
             for k, names in enumerate(self.submodel_names):
                 self._schedule(k, names, lr, scale, stepped)
         elif stepped is not None:  # a skipped step: the average follows the unchanged weights
-            stepped(list(self.engine.host_params))
+            self._follow(stepped, list(self.engine.host_params))
         self.stats.waited_s = self.engine.gate_wait_s
         return {"loss": total, "grad_norm": norm}
 
@@ -123,8 +138,9 @@ class SwapRunner:
 
     def sync(self) -> None:
         t0 = time.perf_counter()
-        for fut in list(self.engine.gates.values()):
+        for fut in [*self.engine.gates.values(), *self._updates]:
             fut.result()
+        self._updates.clear()
         self.engine.gate_wait_s += time.perf_counter() - t0
         self.stats.waited_s = self.engine.gate_wait_s
 

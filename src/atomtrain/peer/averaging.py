@@ -61,9 +61,7 @@ from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, regist
 from atomtrain.peer.guarded import FORGED, MALFORMED, UNVERIFIED, GuardedAverager, finite
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.sync import membership
-from atomtrain.peer.traffic import (
-    Traffic,
-)
+from atomtrain.peer.traffic import Traffic
 
 log = logging.getLogger(__name__)
 register()  # the 4-bit codec, before any averager process starts

@@ -184,7 +184,7 @@ def _summary(
     metrics = {p.index: read_metrics(p.run_dir / "metrics.jsonl") for p in survivors}
     stalls = []
     for recs in metrics.values():
-        times = [r["elapsed_s"] for r in recs if "elapsed_s" in r]
+        times = [r["elapsed_s"] for r in recs if "elapsed_s" in r and "loss" in r]  # steps
         stalls.append(max((b - a for a, b in itertools.pairwise(times)), default=0.0))
     joiner_recs = read_metrics(joiner.run_dir / "metrics.jsonl") if joiner else []
     since_join = [

@@ -352,7 +352,7 @@ class Presence:
     def state_sources(self, first: str = "", fresh: bool = False) -> list[str]:
         """Whom a state download asks, best first (state.py); `first` before all others. From
         the status thread's last reading (a DHT read would block the training thread: with none
-        yet, nobody, and the download fails and is tried again after a round), or with `fresh`
+        yet, nobody; a re-synchronization then asks its group), or with `fresh`
         (the finish, where nothing trains any more) read now."""
         others = self.live_others() if fresh else self.known_others
         if fresh:

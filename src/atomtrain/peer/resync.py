@@ -84,9 +84,14 @@ class Resync:
             [g.get("round", 0) for g in result.peers],
             StateCheck.swarm_round(live) if live else None,
         )
-        self.pending = peer.averager.download_state(
-            peer.cfg.state_timeout_s, peer.presence.state_sources(), wait=False
-        )
+        # whom the status thread knows, or, before its first reading, the group's members that
+        # hold its synchronized parameters (no DHT read here: this is the training thread)
+        sources = peer.presence.state_sources() or [
+            pid
+            for pid, ok in zip(result.peer_ids, result.in_sync, strict=True)
+            if ok and pid != peer.peer_id
+        ]
+        self.pending = peer.averager.download_state(peer.cfg.state_timeout_s, sources, wait=False)
         self._records = None
 
     def poll(self, record: dict[str, Any]) -> None:

@@ -62,9 +62,10 @@ class Trainer:
     tensorboard: bool = False
     """Also write TensorBoard event files to run_dir/tensorboard."""
     average: WeightAverage | None = None
-    """The weights' moving average (`train.ema`): updated after each step (a swarm round
-    included; with the swap engine, on its optimizer thread as each sub-model is stepped, and a
-    round's change from the next step on), validated in place of the weights, saved with them."""
+    """The weights' moving average (`train.ema`): updated after every `train.ema_every`-th
+    step (a swarm round included; with the swap engine, on its optimizer thread as each
+    sub-model is stepped, and a round's change from the next step on), validated in place of
+    the weights, saved with them."""
 
     def __post_init__(self) -> None:
         board = self.run_dir / "tensorboard" if self.tensorboard else None
@@ -177,6 +178,7 @@ class Trainer:
         path = self.run_dir / "checkpoints" / checkpoint_name(self.state.step)
         if path.exists():
             return path
+        params = self.runner.host_parameters()  # waits for the optimizer (and average) first
         state = {
             "step": self.state.step,
             "tokens": self.state.tokens,
@@ -193,7 +195,7 @@ class Trainer:
             state["ema_updates"] = self.average.updates
         save_checkpoint(
             path,
-            self.runner.host_parameters(),
+            params,
             self.runner.optimizer.state_dict(),
             state,
             extra=tensors,
