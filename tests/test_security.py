@@ -31,7 +31,7 @@ from atomtrain.peer.auth import (
 )
 from atomtrain.peer.averaging import ProbedAverager
 from atomtrain.peer.bounds import Defence, equal_weights
-from atomtrain.peer.exact import silent_members
+from atomtrain.peer.exact import ExactAverageRunner, silent_members
 from atomtrain.peer.exclusion import (
     FORGIVE_ROUNDS,
     OPPOSED_EXCLUSION_ROUNDS,
@@ -440,6 +440,46 @@ def test_a_silent_leader_is_named_alone_for_its_groups_silence():
     assert silent_members(["b"], leader=None) == ["b"]
 
 
+def ended_early(leader: str, heard: str, wait_s: float) -> tuple[list[str], list[str], str]:
+    """A runner of members me, a, b, c (b already sent its parts) that ends its round early;
+    `heard` sends its parts after the end. (Names before the reducer timeout, names after,
+    why the round failed.)"""
+
+    async def scenario() -> tuple[list[str], list[str], str]:
+        runner = ExactAverageRunner.__new__(ExactAverageRunner)
+        named: list[str] = []
+        runner.peer_id, runner._leader = "me", leader
+        runner.sender_peer_ids = ["me", "a", "b", "c"]
+        runner.active_senders, runner.banned_senders = {"me", "b"}, set()
+        runner._delivered, runner._not_in_group = set(), set()
+        runner._unheard, runner._heard_late = set(), set()
+        runner.sender_timeout, runner.reducer_timeout = 0.1, 0.2
+        runner._started = time.monotonic()
+        runner._on_stall = lambda peer_id, why: named.append(peer_id)
+        runner._future = asyncio.get_running_loop().create_future()
+        runner.finalize = lambda exception: runner._future.set_exception(exception)
+        runner.end_early("c failed its span")
+        before = list(named)
+        if heard:
+            runner.heard(heard)
+        await asyncio.sleep(wait_s)
+        return before, named, str(runner._future.exception())
+
+    return asyncio.run(scenario())
+
+
+def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_timeout():
+    """A lost round ends at once (exact.end_early); a member that had sent nothing by then is
+    named a staller only if its parts still have not come at the reducer timeout, counted from
+    this member's start: one that started late sends them and is not named. The leader rule
+    holds as at the timeout (silent_members)."""
+    before, after, why = ended_early(leader="b", heard="a", wait_s=0.4)
+    assert before == [] and after == ["c"] and why == "c failed its span"
+    assert ended_early(leader="b", heard="", wait_s=0.4)[1] == ["a", "c"]
+    assert ended_early(leader="c", heard="", wait_s=0.4)[1] == ["c"]  # silent leader alone
+    assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
+
+
 def test_a_staller_that_leads_and_tells_one_member_is_the_only_one_named(tmp_path: Path):
     """Peer 2 leads its groups, tells only one follower that the round begins, and sends
     nothing. The member told waits in vain for both others: the leader and the member never
@@ -508,6 +548,7 @@ def handlers_alone() -> GuardedAverager:
     avg = GuardedAverager.__new__(GuardedAverager)
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
+    avg._runners = {}
     return avg
 
 

@@ -13,11 +13,16 @@ The runner's output is the average itself, not a difference: the averager copies
 tensors. A reducer that fails leaves the member's own part in its span, which the probes show
 (averaging.py).
 
+A round that is lost ends at once (end_early): a reducer that failed this member (its span holds
+this member's own part, which the probes discard), or one that sent nothing within the sender
+timeout (its span will have no average), ends it there rather than at the reducer timeout, and
+hivemind looks for another group within the round's time.
+
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
-of its parts before this member's all-reduce ended (hivemind leaves its parts out after its
-sender timeout), or a reducer that sent no averages within the reducer timeout, which ends the
-round there (it is lost: that span holds this member's own part). (A member that crashed looks
-the same; the averager excludes either for a while.) Where the group's leader sent nothing
+of its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout;
+where the round ended early, parts that came after it still count as sent), or a reducer that
+sent no averages within the reducer timeout. (A member that crashed looks the same; the
+averager excludes either for a while.) Where the group's leader sent nothing
 either, only the leader is named: it may never have told the others (silent_members). A reducer
 is not named for late averages in a round where another member sent this one nothing: it may
 have waited for that member's parts, from its own, later start of the round. A member that
@@ -30,6 +35,7 @@ either.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
@@ -81,6 +87,10 @@ class ExactAverageRunner(CountedRunner):
         ]
         self._delivered: set[Any] = set()  # reducers that sent this member any average
         self._not_in_group: set[Any] = set()  # members that answered they are not in it
+        self._started = time.monotonic()
+        self._unheard: set[Any] = set()  # members that had sent nothing as it ended early
+        self._heard_late: set[Any] = set()  # members whose parts came (perhaps after it ended)
+        self._verdict: asyncio.Task | None = None
         register = self.tensor_part_container.register_processed_part
 
         def registered(peer_index: int, part_index: int, part: Any) -> None:
@@ -106,19 +116,67 @@ class ExactAverageRunner(CountedRunner):
         machine was left out of the next two rounds as if it had.) Where the group's leader is
         silent too, only the leader is named (silent_members)."""
         if not self._future.done():
-            silent = [
-                peer_id
-                for peer_id in self.sender_peer_ids
-                if peer_id in self.banned_senders
-                and not (
-                    peer_id in self.active_senders
-                    or peer_id in self._delivered
-                    or peer_id in self._not_in_group
-                )  # (its averages may beat its own parts here: it ran the round)
-            ]
+            silent = [p for p in self._silent() if p not in self._unheard]
             for peer_id in silent_members(silent, self._leader):
                 self._stalled(peer_id, "sent none of its parts")
         super().finalize(**kwargs)
+
+    def _silent(self) -> list[Any]:
+        """Members hivemind dropped for sending nothing within the sender timeout that have
+        sent this member nothing since."""
+        return [p for p in self._unheard_now() if p in self.banned_senders]
+
+    def _unheard_now(self) -> list[Any]:
+        """Other members that have sent this member nothing of the round so far."""
+        return [
+            peer_id
+            for peer_id in self.sender_peer_ids
+            if peer_id != self.peer_id
+            and not (
+                peer_id in self.active_senders
+                or peer_id in self._delivered
+                or peer_id in self._not_in_group
+            )  # (its averages may beat its own parts here: it ran the round)
+        ]
+
+    async def _handle_missing_senders(self) -> None:
+        """hivemind's; then a member that sent nothing within the sender timeout and reduces a
+        span ends the round (end_early): its span has no average without it."""
+        await super()._handle_missing_senders()
+        container = self.tensor_part_container
+        reducing = [
+            p for p in self._silent() if container.num_parts_by_peer[self.ordered_peer_ids.index(p)]
+        ]
+        if reducing:
+            names = ", ".join(str(p)[-8:] for p in reducing)
+            self.end_early(f"{names} sent nothing within the sender timeout")
+
+    def end_early(self, why: str) -> None:
+        """End a round that is lost (a span will have no average) now, not at the reducer
+        timeout: a stall held every member of its group there, and the members outside it as
+        long, short of the quorum (bench attack's staller cost its honest peers 14 s a stall);
+        hivemind then looks for another group within the round's time. An honest member that
+        started late loses a round it might have landed late, and is not named for it: members
+        that have sent nothing yet are named only if they still send nothing until the reducer
+        timeout, counted from this member's start (`_name_if_unheard`; the averager tells this
+        runner of parts that come after the round ended, `heard`), as when the round ran there."""
+        if self._future.done():
+            return
+        unheard = self._unheard_now()
+        self._unheard = set(unheard)
+        deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
+        self._verdict = asyncio.create_task(self._name_if_unheard(unheard, deadline))
+        self.finalize(exception=AllreduceException(why))
+
+    def heard(self, peer_id: Any) -> None:
+        """`peer_id` sent this member its parts of the round (perhaps after it ended)."""
+        self._heard_late.add(peer_id)
+
+    async def _name_if_unheard(self, unheard: list[Any], deadline: float) -> None:
+        await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+        still = [p for p in unheard if p not in self._heard_late]
+        for peer_id in silent_members(still, self._leader):
+            self._stalled(peer_id, "sent none of its parts")
 
     def _waiting_for_a_staller(self, reducer: Any) -> bool:
         """Another member sent this one none of its parts: `reducer` may be waiting out its
@@ -150,9 +208,13 @@ class ExactAverageRunner(CountedRunner):
                 # staller's verdicts: a stalled round took 15 s of the bench's 15, not 10)
                 self.finalize(exception=AllreduceException(f"{peer_id} sent no averages in time"))
                 raise
-            except AllreduceException as e:
+            except Exception as e:
                 if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                     self._not_in_group.add(peer_id)
+                # lost as above, so it ends now too: a member that ended the round early left
+                # every span of it, and an honest reducer that started late, its parts then
+                # missing, sent its averages past this member's reducer timeout and was named
+                self.end_early(f"{peer_id} failed its span: {e!r}")
                 raise
         # our own span: the average through the codec the others receive it in
         container = self.tensor_part_container
