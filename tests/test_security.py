@@ -440,25 +440,44 @@ def test_a_silent_leader_is_named_alone_for_its_groups_silence():
     assert silent_members(["b"], leader=None) == ["b"]
 
 
-def ended_early(leader: str, heard: str, wait_s: float) -> tuple[list[str], list[str], str]:
+def ended_early(
+    leader: str, heard: str, wait_s: float, answers: str = ""
+) -> tuple[list[str], list[str], str]:
     """A runner of members me, a, b, c (b already sent its parts) that ends its round early;
-    `heard` sends its parts after the end. (Names before the reducer timeout, names after,
-    why the round failed.)"""
+    `heard` sends its parts after the end, `answers` (when asked for its span) says it is not in
+    the group, the others never answer. (Names before the reducer timeout, names after, why
+    the round failed.)"""
+
+    class Stub:
+        def __init__(self, peer_id: str):
+            self.peer_id = peer_id
+
+        async def rpc_aggregate_part(self, asked):
+            assert (await anext(asked)).group_id == b"g"
+            if self.peer_id != answers:
+                await asyncio.Event().wait()  # frozen: never answers
+
+            async def answer():
+                yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+            return answer()
 
     async def scenario() -> tuple[list[str], list[str], str]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
         named: list[str] = []
-        runner.peer_id, runner._leader = "me", leader
+        runner.peer_id, runner._leader, runner.group_id = "me", leader, b"g"
         runner.sender_peer_ids = ["me", "a", "b", "c"]
         runner.active_senders, runner.banned_senders = {"me", "b"}, set()
         runner._delivered, runner._not_in_group = set(), set()
         runner._unheard, runner._heard_late = set(), set()
-        runner.sender_timeout, runner.reducer_timeout = 0.1, 0.2
+        runner.sender_timeout, runner.reducer_timeout = 0.1, 0.3
         runner._started = time.monotonic()
         runner._on_stall = lambda peer_id, why: named.append(peer_id)
+        runner._get_peer_stub = Stub
         runner._future = asyncio.get_running_loop().create_future()
         runner.finalize = lambda exception: runner._future.set_exception(exception)
-        runner.end_early("c failed its span")
+        runner.end_early("c sent nothing within the sender timeout")
+        await asyncio.sleep(0.05)
         before = list(named)
         if heard:
             runner.heard(heard)
@@ -470,13 +489,16 @@ def ended_early(leader: str, heard: str, wait_s: float) -> tuple[list[str], list
 
 def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_timeout():
     """A lost round ends at once (exact.end_early); a member that had sent nothing by then is
-    named a staller only if its parts still have not come at the reducer timeout, counted from
-    this member's start: one that started late sends them and is not named. The leader rule
-    holds as at the timeout (silent_members)."""
-    before, after, why = ended_early(leader="b", heard="a", wait_s=0.4)
-    assert before == [] and after == ["c"] and why == "c failed its span"
-    assert ended_early(leader="b", heard="", wait_s=0.4)[1] == ["a", "c"]
-    assert ended_early(leader="c", heard="", wait_s=0.4)[1] == ["c"]  # silent leader alone
+    named a staller only if, until the reducer timeout counted from this member's start, its
+    parts never come and it answers nothing when asked for its span: one that started late
+    sends them, one still looking for its group says it is not in it, and neither is named. The
+    leader rule holds as at the timeout (silent_members)."""
+    before, after, why = ended_early(leader="b", heard="a", wait_s=0.5)
+    assert before == [] and after == ["c"], (before, after)
+    assert why == "c sent nothing within the sender timeout"
+    assert ended_early(leader="b", heard="", wait_s=0.5)[1] == ["a", "c"]
+    assert ended_early(leader="b", heard="", wait_s=0.5, answers="a")[1] == ["c"]
+    assert ended_early(leader="c", heard="", wait_s=0.5)[1] == ["c"]  # silent leader alone
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
 
 
@@ -548,7 +570,7 @@ def handlers_alone() -> GuardedAverager:
     avg = GuardedAverager.__new__(GuardedAverager)
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
-    avg._runners = {}
+    avg._heard = {}
     return avg
 
 

@@ -13,10 +13,9 @@ The runner's output is the average itself, not a difference: the averager copies
 tensors. A reducer that fails leaves the member's own part in its span, which the probes show
 (averaging.py).
 
-A round that is lost ends at once (end_early): a reducer that failed this member (its span holds
-this member's own part, which the probes discard), or one that sent nothing within the sender
-timeout (its span will have no average), ends it there rather than at the reducer timeout, and
-hivemind looks for another group within the round's time.
+A round that is lost ends at once (end_early): a member that reduces a span and sent nothing
+within the sender timeout (its span will have no average) ends it there rather than at the
+reducer timeout, and hivemind looks for another group within the round's time.
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
 of its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout;
@@ -64,6 +63,7 @@ class ExactAverageRunner(CountedRunner):
         leader: Any = None,
         out_of_sync: Collection[Any] = (),
         delta_keys: Collection[int] = (),
+        heard: set[Any] | None = None,
         **kwargs: Any,
     ):
         """`out_of_sync`: members whose synchronized parameters differ from the group's
@@ -89,7 +89,9 @@ class ExactAverageRunner(CountedRunner):
         self._not_in_group: set[Any] = set()  # members that answered they are not in it
         self._started = time.monotonic()
         self._unheard: set[Any] = set()  # members that had sent nothing as it ended early
-        self._heard_late: set[Any] = set()  # members whose parts came (perhaps after it ended)
+        # members whose parts reached this member's averager for this group, whenever they came
+        # (before this member started it, or after it ended: guarded.py records them)
+        self._heard_late: set[Any] = set() if heard is None else heard
         self._verdict: asyncio.Task | None = None
         register = self.tensor_part_container.register_processed_part
 
@@ -136,6 +138,7 @@ class ExactAverageRunner(CountedRunner):
                 peer_id in self.active_senders
                 or peer_id in self._delivered
                 or peer_id in self._not_in_group
+                or peer_id in self._heard_late
             )  # (its averages may beat its own parts here: it ran the round)
         ]
 
@@ -157,9 +160,10 @@ class ExactAverageRunner(CountedRunner):
         long, short of the quorum (bench attack's staller cost its honest peers 14 s a stall);
         hivemind then looks for another group within the round's time. An honest member that
         started late loses a round it might have landed late, and is not named for it: members
-        that have sent nothing yet are named only if they still send nothing until the reducer
-        timeout, counted from this member's start (`_name_if_unheard`; the averager tells this
-        runner of parts that come after the round ended, `heard`), as when the round ran there."""
+        that have sent nothing yet are named only if, until the reducer timeout counted from this
+        member's start, their parts never reach this member's averager (`heard`) and they answer
+        nothing when asked for their span (`_answers`: one still looking for its group says it is
+        not in it), as when the round ran there."""
         if self._future.done():
             return
         unheard = self._unheard_now()
@@ -173,10 +177,37 @@ class ExactAverageRunner(CountedRunner):
         self._heard_late.add(peer_id)
 
     async def _name_if_unheard(self, unheard: list[Any], deadline: float) -> None:
-        await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
-        still = [p for p in unheard if p not in self._heard_late]
+        answered = await asyncio.gather(*(self._answers(p, deadline) for p in unheard))
+        still = [
+            p
+            for p, answer in zip(unheard, answered, strict=True)
+            if not answer and p not in self._heard_late
+        ]
         for peer_id in silent_members(still, self._leader):
             self._stalled(peer_id, "sent none of its parts")
+
+    async def _answers(self, peer_id: Any, deadline: float) -> bool:
+        """Whether `peer_id` answers a request for its span of this round before `deadline`
+        (any answer: it is not frozen; a member that never ran the group says it is not in
+        it once it stops looking for one). Its parts reaching this member meanwhile count too."""
+
+        async def ask() -> AsyncIterator[averaging_pb2.AveragingData]:
+            yield averaging_pb2.AveragingData(
+                code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id
+            )
+
+        async def answer() -> bool:
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(ask())
+            await anext(stream)
+            return True
+
+        try:
+            return await asyncio.wait_for(answer(), max(deadline - time.monotonic(), 0.01))
+        except asyncio.TimeoutError:
+            return peer_id in self._heard_late
+        except Exception:  # unreachable or hung up: as silent as before
+            await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+            return peer_id in self._heard_late
 
     def _waiting_for_a_staller(self, reducer: Any) -> bool:
         """Another member sent this one none of its parts: `reducer` may be waiting out its
@@ -208,13 +239,9 @@ class ExactAverageRunner(CountedRunner):
                 # staller's verdicts: a stalled round took 15 s of the bench's 15, not 10)
                 self.finalize(exception=AllreduceException(f"{peer_id} sent no averages in time"))
                 raise
-            except Exception as e:
+            except AllreduceException as e:
                 if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                     self._not_in_group.add(peer_id)
-                # lost as above, so it ends now too: a member that ended the round early left
-                # every span of it, and an honest reducer that started late, its parts then
-                # missing, sent its averages past this member's reducer timeout and was named
-                self.end_early(f"{peer_id} failed its span: {e!r}")
                 raise
         # our own span: the average through the codec the others receive it in
         container = self.tensor_part_container

@@ -67,6 +67,9 @@ BANNED, FORGED, MALFORMED, UNVERIFIED = 1, 2, 3, 4
 """Why a round is discarded (set by hivemind's process): it held a peer this one banned or
 excludes; the leader sent a member's metadata that member did not sign; a member signed
 malformed metadata; no certificate this peer could read names a member."""
+HEARD_KEPT = 64
+"""Groups whose senders a member remembers (exact.py, end_early: parts that came before it
+started a group, or after its round ended early, name no staller)."""
 AUDITS_KEPT = 8
 """Audited all-reduces a member keeps for the members that ask after it ends (each lets its
 replay go once every member asked, or some seconds after the round)."""
@@ -116,7 +119,7 @@ class GuardedAverager(DecentralizedAverager):
         self._opposed: dict[PeerID, list[int]] = {}  # peer -> rounds it opposed this one's in
         self._rounds = 0  # rounds this member began
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
-        self._runners: dict[bytes, ExactAverageRunner] = {}  # every kind, latest last
+        self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -213,9 +216,9 @@ class GuardedAverager(DecentralizedAverager):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         first = await anext(stream)
-        ran = self._runners.get(first.group_id)
-        if ran is not None:  # late parts of a round cut short name no staller (exact.py)
-            ran.heard(context.remote_id)
+        # parts that came before this member started the group, or after its round ended early,
+        # name no staller (exact.py, end_early)
+        self._heard_of(first.group_id).add(context.remote_id)
         if not await self._group_started(first.group_id):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
@@ -232,6 +235,14 @@ class GuardedAverager(DecentralizedAverager):
         ):
             self._traffic.add(SENT, message)
             yield message
+
+    def _heard_of(self, group_id: bytes) -> set[PeerID]:
+        """The members whose parts for `group_id` reached this member (the latest groups'
+        kept)."""
+        heard = self._heard.setdefault(group_id, set())
+        while len(self._heard) > HEARD_KEPT:
+            del self._heard[next(iter(self._heard))]
+        return self._heard.get(group_id, heard)
 
     async def _group_started(self, group_id: bytes) -> bool:
         """Wait until this member runs the group's all-reduce (or never will:
@@ -453,6 +464,7 @@ class GuardedAverager(DecentralizedAverager):
     # --- robust all-reduce ------------------------------------------------------------------
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        self._discard.value = 0  # this attempt's: a retry after a lost one may still land
         try:
             group_info = await self._checked(group_info)
             if not self._audited and any(
@@ -492,6 +504,7 @@ class GuardedAverager(DecentralizedAverager):
             }
         runner = runner_type(
             **extra,
+            heard=self._heard_of(group_id),
             leader=self._led_by.get(group_info.group_id),
             traffic=self._traffic,
             p2p=self._p2p,
@@ -506,9 +519,6 @@ class GuardedAverager(DecentralizedAverager):
             self._audits[group_id] = runner
             while len(self._audits) > AUDITS_KEPT:
                 del self._audits[next(iter(self._audits))]
-        self._runners[group_id] = runner
-        while len(self._runners) > AUDITS_KEPT:
-            del self._runners[next(iter(self._runners))]
         self._running_groups[group_id].set_result(runner)
         index = 0
         async for average in runner:  # to its end: an audited round is checked after the last
