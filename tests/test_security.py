@@ -444,8 +444,9 @@ def ended_early(
     leader: str, heard: str, wait_s: float, answers: str = ""
 ) -> tuple[list[str], list[str], str]:
     """A runner of members me, a, b, c (b already sent its parts) that ends its round early;
-    `heard` sends its parts after the end, `answers` (when asked for its span) says it is not in
-    the group, the others never answer. (Names before the reducer timeout, names after, why
+    `heard` sends its parts after the end; asked for its span, the member `answers` names says
+    it is not in the group (members of a longer `answers` give another answer), the others
+    never answer. (Names before the reducer timeout, names after, why
     the round failed.)"""
 
     class Stub:
@@ -454,11 +455,13 @@ def ended_early(
 
         async def rpc_aggregate_part(self, asked):
             assert (await anext(asked)).group_id == b"g"
-            if self.peer_id != answers:
+            if self.peer_id not in answers:
                 await asyncio.Event().wait()  # frozen: never answers
+            not_in_group = answers == self.peer_id
+            code = averaging_pb2.BAD_GROUP_ID if not_in_group else averaging_pb2.INTERNAL_ERROR
 
             async def answer():
-                yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+                yield averaging_pb2.AveragingData(code=code)
 
             return answer()
 
@@ -498,6 +501,8 @@ def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_time
     assert why == "c sent nothing within the sender timeout"
     assert ended_early(leader="b", heard="", wait_s=0.5)[1] == ["a", "c"]
     assert ended_early(leader="b", heard="", wait_s=0.5, answers="a")[1] == ["c"]
+    # a staller whose averager answers anything else, yet sends nothing, is named
+    assert ended_early(leader="b", heard="", wait_s=0.5, answers="a,c")[1] == ["a", "c"]
     assert ended_early(leader="c", heard="", wait_s=0.5)[1] == ["c"]  # silent leader alone
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
 

@@ -161,9 +161,9 @@ class ExactAverageRunner(CountedRunner):
         hivemind then looks for another group within the round's time. An honest member that
         started late loses a round it might have landed late, and is not named for it: members
         that have sent nothing yet are named only if, until the reducer timeout counted from this
-        member's start, their parts never reach this member's averager (`heard`) and they answer
-        nothing when asked for their span (`_answers`: one still looking for its group says it is
-        not in it), as when the round ran there."""
+        member's start, their parts never reach this member's averager (`heard`) and, asked for
+        their span, they do not say they are not in the group (`_answers`: an honest one still
+        looking for its group says so), as when the round ran there."""
         if self._future.done():
             return
         unheard = self._unheard_now()
@@ -187,9 +187,11 @@ class ExactAverageRunner(CountedRunner):
             self._stalled(peer_id, "sent none of its parts")
 
     async def _answers(self, peer_id: Any, deadline: float) -> bool:
-        """Whether `peer_id` answers a request for its span of this round before `deadline`
-        (any answer: it is not frozen; a member that never ran the group says it is not in
-        it once it stops looking for one). Its parts reaching this member meanwhile count too."""
+        """Whether `peer_id` answers a request for its span of this round, before `deadline`,
+        that it is not in the group (an honest member that missed its leader's word says so once
+        it stops looking for a group: as `_not_in_group`, such a member is not named). Its parts
+        reaching this member meanwhile count too. Any other answer spares no one: a staller
+        that keeps its averager answering but sends nothing is still named."""
 
         async def ask() -> AsyncIterator[averaging_pb2.AveragingData]:
             yield averaging_pb2.AveragingData(
@@ -198,16 +200,17 @@ class ExactAverageRunner(CountedRunner):
 
         async def answer() -> bool:
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(ask())
-            await anext(stream)
-            return True
+            return (await anext(stream)).code == averaging_pb2.BAD_GROUP_ID
 
         try:
-            return await asyncio.wait_for(answer(), max(deadline - time.monotonic(), 0.01))
+            if await asyncio.wait_for(answer(), max(deadline - time.monotonic(), 0.01)):
+                return True
         except asyncio.TimeoutError:
             return peer_id in self._heard_late
         except Exception:  # unreachable or hung up: as silent as before
-            await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
-            return peer_id in self._heard_late
+            pass
+        await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+        return peer_id in self._heard_late
 
     def _waiting_for_a_staller(self, reducer: Any) -> bool:
         """Another member sent this one none of its parts: `reducer` may be waiting out its
