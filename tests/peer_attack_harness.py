@@ -202,8 +202,10 @@ def main() -> None:
         start=True,
         authorizer=SwarmAuthorizer(KEY),
     )
-    if index == 0:
-        addr_file.write_text(str(dht.get_visible_maddrs()[0]))
+    if index == 0:  # written whole before it appears: a peer that read it half-written failed
+        # to bootstrap (a CI run, 2026-12-04: "failed to connect to bootstrap peers")
+        (work / "addr.tmp").write_text(str(dht.get_visible_maddrs()[0]))
+        (work / "addr.tmp").rename(addr_file)
     declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
     print(f"peer {index} is {dht.peer_id.to_base58()}", flush=True)  # to read its log by
     if attack == "lying_reducer_far":  # the averager's process is forked from this one

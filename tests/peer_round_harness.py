@@ -65,7 +65,9 @@ def main() -> None:
     addr_file = work / "addr"
     if index == 0:
         dht = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-        addr_file.write_text(str(dht.get_visible_maddrs()[0]))
+        # written whole before it appears (a peer that read it half-written could not bootstrap)
+        (work / "addr.tmp").write_text(str(dht.get_visible_maddrs()[0]))
+        (work / "addr.tmp").rename(addr_file)
     else:
         while not addr_file.exists():
             time.sleep(0.1)
