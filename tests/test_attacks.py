@@ -107,6 +107,17 @@ def test_the_attack_report_compares_with_clean_and_counts_rounds_until_rejected(
     stalled.records[1][2] = {"round": 3, "failed_round_s": 11.0}  # h1 one
     x = attack_report(clean, {"stall": {"defended": [stalled]}}, OPPOSED_COSINE)["attacks"][0]
     assert x["rounds_failed_defended"] == [2] and x["failed_round_s_defended"] == [6.0]
+    assert x["lost_attempt_cost_defended"] == [{"n": 0}]  # (no attempts recorded)
+    for log in stalled.records:  # rounds that landed at their first attempt take 1 s
+        for r in log[:-1]:
+            r["round_attempts"] = 1
+    stalled.records[0][1].update(round_s=2.5, round_attempts=2)  # landed after a retry
+    stalled.records[1][2]["round_attempts"] = 0  # found no group: not a lost all-reduce
+    x = attack_report(clean, {"stall": {"defended": [stalled]}}, OPPOSED_COSINE)["attacks"][0]
+    cost = x["lost_attempt_cost_defended"][0]
+    # landed after a retry in 2.5 s: 1.5 rounds more; failed after 4 s and 6 s: 4 and 6 lost
+    assert cost["n"] == 3 and cost["typical_round_s"] == 1.0
+    assert cost["median"] == pytest.approx(4.0) and cost["max"] == pytest.approx(6.0)
     honest_banned = run([3.1, 3.1], banned_after=0)
     honest_banned.records[0][0]["rejected_peers"] = ["h1"]
     assert (

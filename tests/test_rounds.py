@@ -560,6 +560,61 @@ def test_a_finisher_whose_last_round_did_not_land_ends_on_the_state_the_others_t
     assert told == ["runner", "trainer"]
 
 
+def last_rounds(outcomes: list[bool], others_done_after: int = 99) -> tuple[int, list[str]]:
+    """A finisher whose last rounds land or fail as `outcomes` says, beside one other finisher
+    that says it is done from round `others_done_after` on: (rounds it ran, what it did after)."""
+    from types import SimpleNamespace
+
+    from atomtrain.peer.finish import Finisher
+
+    did: list[str] = []
+    runs: list[int] = []
+
+    def poll(record, wait):  # (first called for the round open as the peer finished: none)
+        if runs and outcomes[len(runs) - 1]:
+            record["group_size"] = 2
+
+    def other():
+        return SimpleNamespace(
+            peer_id="b", finishing=True, round=0, done=len(runs) >= others_done_after
+        )
+
+    peer = SimpleNamespace(
+        cfg=SimpleNamespace(state_timeout_s=1.0, final_wait_s=1.0),
+        resync=SimpleNamespace(pending=None),
+        averager=object(),
+        dht=object(),
+        presence=SimpleNamespace(live_others=lambda: [other()]),
+        _poll=poll,
+        _start_round=lambda: runs.append(1),
+        on_final=lambda: None,
+        peer_id="a",
+        last_group_ids=["a", "b"],
+        round=0,
+    )
+    finisher = Finisher(peer)
+    finisher._catch_up = lambda others, record: None
+    finisher._linger = lambda: did.append("linger")
+    finisher.end_on_sync = lambda: did.append("end_on_sync")
+    finisher._adopt_final_state = lambda record, smallest: did.append("adopt")
+    finisher.final_round({})
+    return len(runs), did
+
+
+def test_a_last_round_that_did_not_land_is_tried_again_before_ending_on_the_sync_state():
+    """A member that stalls the last round (bench attack) cost every honest finisher its
+    progress since the round before: the last round is tried again (FINAL_TRIES in all), unless
+    another finisher landed it meanwhile (its result is then taken, as before)."""
+    from atomtrain.peer.finish import FINAL_TRIES
+
+    assert last_rounds([False, True]) == (2, ["linger"])  # landed at its second try
+    assert last_rounds([True]) == (1, ["linger"])
+    # never lands: the smallest peer ID ends on its synchronized state, which the others take
+    assert last_rounds([False] * FINAL_TRIES) == (FINAL_TRIES, ["end_on_sync", "linger"])
+    # the other finisher landed it (it says it is done): no more tries
+    assert last_rounds([False, True], others_done_after=1) == (1, ["end_on_sync", "linger"])
+
+
 def test_an_overlapped_round_trains_on_from_its_share_and_lands_where_the_plain_rule_does():
     """Shifted at the start (x <- x + q - e), corrected at the landing (x <- x + e - s): the
     model ends at x + q - s with the progress made meanwhile, and a round that does not land

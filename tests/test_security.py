@@ -31,7 +31,13 @@ from atomtrain.peer.auth import (
 )
 from atomtrain.peer.averaging import ProbedAverager
 from atomtrain.peer.bounds import Defence, equal_weights
-from atomtrain.peer.exact import ExactAverageRunner, silent_members
+from atomtrain.peer.exact import (
+    START_FLOOR_S,
+    START_LAGS,
+    ExactAverageRunner,
+    silent_members,
+    start_timeout,
+)
 from atomtrain.peer.exclusion import (
     FORGIVE_ROUNDS,
     OPPOSED_EXCLUSION_ROUNDS,
@@ -507,6 +513,73 @@ def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_time
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
 
 
+def start_waited(opened: str, since: float = -1.0, start: float = 0.1) -> tuple[float, str]:
+    """A runner of members me, a, b (a reduces no span; b does, and sends nothing): how long
+    its wait for the senders ran, and how the round ended. The members `opened` names opened
+    their stream of parts to it (`since`: when its previous group ended, relative to its start);
+    `start`: the group's start timeout."""
+
+    async def scenario() -> tuple[float, str]:
+        runner = ExactAverageRunner.__new__(ExactAverageRunner)
+        runner.peer_id, runner._leader, runner.group_id = "me", None, b"g"
+        runner.ordered_peer_ids = runner.sender_peer_ids = ["me", "a", "b"]
+        runner.tensor_part_container = SimpleNamespace(num_parts_by_peer=[1, 0, 1])
+        runner.active_senders, runner.banned_senders = {"me"}, set()
+        runner.all_senders_started = asyncio.Event()
+        runner._delivered, runner._not_in_group = set(), set()
+        runner._unheard, runner._heard_late = set(), set()
+        runner.sender_timeout, runner.reducer_timeout = 0.6, 1.2
+        runner._start_timeout = start
+        runner._started = time.monotonic()
+        runner._since = runner._started + since
+        runner._opened = {p: runner._started for p in opened}
+        runner._on_stall = lambda peer_id, why: None
+        runner._future = asyncio.get_running_loop().create_future()
+        runner.finalize = lambda exception=None: runner._future.set_exception(exception)
+
+        async def ban(peer_id):
+            runner.banned_senders.add(peer_id)
+
+        runner._ban_sender = ban
+        await runner._handle_missing_senders()
+        waited = time.monotonic() - runner._started
+        why = str(runner._future.exception()) if runner._future.done() else ""
+        if runner._verdict is not None:
+            runner._verdict.cancel()
+        return waited, why
+
+    return asyncio.run(scenario())
+
+
+def test_a_round_ends_at_the_start_timeout_where_a_reducer_never_opened_its_stream():
+    """A member that reduces a span and has not even opened its stream of parts by the group's
+    start timeout ends the round there (its span will have no average), not at the sender
+    timeout; one that opened it (its parts still on their way over a slow link) is waited for
+    until the sender timeout, and a stream opened before this member's previous group ended is
+    not this round's. A member that reduces nothing never ends the round early."""
+    waited, why = start_waited(opened="")
+    assert waited < 0.4 and why == "b opened no stream in 0.1 s", (waited, why)
+    waited, why = start_waited(opened="b")
+    assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
+    waited, why = start_waited(opened="b", since=0.05)  # a stream from the group before
+    assert waited < 0.4 and why.startswith("b opened no stream"), (waited, why)
+
+
+def test_the_start_timeout_is_the_groups_and_no_member_stretches_it_past_the_sender_timeout():
+    """Every member computes the same start timeout from what the group declared: the floor
+    plus START_LAGS times the largest lag. Nonsense declarations are ignored; a huge one only
+    gets the sender timeout (the runner never waits past it)."""
+    assert start_timeout([{}, {"start_lag_s": 0.0}]) == START_FLOOR_S
+    assert start_timeout([{"start_lag_s": 0.2}, {"start_lag_s": 1.0}]) == pytest.approx(
+        START_FLOOR_S + START_LAGS * 1.0
+    )
+    junk = [{"start_lag_s": x} for x in ("x", None, float("nan"), -5.0, [1])]
+    assert start_timeout(junk) == START_FLOOR_S
+    huge = start_timeout([{"start_lag_s": 1e300}])
+    waited, why = start_waited(opened="", start=huge)  # the sender timeout ends it, as before
+    assert 0.6 <= waited < 1.0 and why == "b sent nothing within the sender timeout", (waited, why)
+
+
 def test_a_staller_that_leads_and_tells_one_member_is_the_only_one_named(tmp_path: Path):
     """Peer 2 leads its groups, tells only one follower that the round begins, and sends
     nothing. The member told waits in vain for both others: the leader and the member never
@@ -575,7 +648,7 @@ def handlers_alone() -> GuardedAverager:
     avg = GuardedAverager.__new__(GuardedAverager)
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
-    avg._heard = {}
+    avg._heard, avg._opened = {}, {}
     return avg
 
 

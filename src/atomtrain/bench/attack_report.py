@@ -111,6 +111,33 @@ def failed_round_s(run: SwarmRun) -> float | None:
     return statistics.median(times) if times else None
 
 
+def lost_attempt_cost(run: SwarmRun) -> dict[str, Any]:
+    """What the rounds whose all-reduce was lost (a stall ends one; hivemind retries with
+    another group if time allows) cost the honest peers, in rounds: a round that landed after a
+    retry, its wall time over the median of the rounds that landed at their first attempt,
+    less one; a round that failed after running an all-reduce, its whole wall time over that
+    median (nothing of it landed; its progress goes with the next round). The issue's bar: a
+    stall costs at most one round. Rounds that found no group (attempts 0) are not counted."""
+    typical = [
+        r["round_s"] for log in run.records for r in log
+        if "round_s" in r and r.get("round_attempts") == 1
+    ]  # fmt: skip
+    landed = [
+        r["round_s"] for log in run.records for r in log
+        if "round_s" in r and r.get("round_attempts", 0) > 1
+    ]  # fmt: skip
+    failed = [
+        r["failed_round_s"] for log in run.records for r in log
+        if "failed_round_s" in r and "round_s" not in r and r.get("round_attempts", 0) >= 1
+    ]  # fmt: skip
+    if not typical or not (landed or failed):
+        return {"n": len(landed) + len(failed)}
+    base = statistics.median(typical)
+    costs = sorted([t / base - 1.0 for t in landed] + [t / base for t in failed])
+    return {"n": len(costs), "median": statistics.median(costs), "max": costs[-1],
+            "typical_round_s": base}  # fmt: skip
+
+
 def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
     """The cosines the honest peers' reducers read (metrics' `agreement`: [name, peer ID,
     cosine] each): of the attacker's update with theirs (and its sybils'), and of each other's,
@@ -173,6 +200,7 @@ def attack_report(
                 "rounds_applied_undefended": [rounds_applied(r) for r in undefended],
                 "rounds_failed_defended": [rounds_failed(r) for r in defended],
                 "failed_round_s_defended": [failed_round_s(r) for r in defended],
+                "lost_attempt_cost_defended": [lost_attempt_cost(r) for r in defended],
                 "agreement_defended": [agreement(r, threshold) for r in defended],
             }
         )
@@ -180,6 +208,7 @@ def attack_report(
         "clean_final_loss": clean_loss,
         "clean_rounds_applied": [rounds_applied(r) for r in clean],
         "clean_agreement": [agreement(r, threshold) for r in clean],
+        "clean_lost_attempt_cost": [lost_attempt_cost(r) for r in clean],
         "opposed_cosine": threshold,
         "attacks": attacks,
         "notes": (
@@ -195,7 +224,11 @@ def attack_report(
             "a while; rounds_applied: per seed, the rounds the honest peer that applied fewest "
             "applied; rounds_failed: per seed, the rounds the honest peer that failed most "
             "failed; failed_round_s: per seed, the median wall time of the honest peers' failed "
-            "rounds; agreement, per seed: the cosines the honest peers' reducers read of the "
+            "rounds; lost_attempt_cost, per seed: rounds whose all-reduce was lost, in rounds: "
+            "one that landed after a retry, its wall time over the median of rounds that landed "
+            "at their first attempt, less one; one that failed after running an all-reduce, "
+            "its whole wall time over that median (n, median, max; a stall should cost at most "
+            "one round); agreement, per seed: the cosines the honest peers' reducers read of the "
             "attacker's update and of each other's against their own (n, min, median, max), "
             "and how many honest readings fell below opposed_cosine"
         ),

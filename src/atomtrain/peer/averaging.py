@@ -137,6 +137,7 @@ class ProbedAverager:
         self.kinds = [DELTA, PROBE]  # by the round layout's compression keys
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
+        self._attempts: Any = mp.get_context("fork").Value("i", 0)  # groups this round ran with
         self._stalls: list[tuple[str, str]] = []
         self._agreements: list[tuple[str, str, float]] = []
         self.rejected_ids: set[str] = set()  # peer IDs (base58) rejected, as events came
@@ -155,6 +156,7 @@ class ProbedAverager:
             inputs,
             self.traffic,
             self._discard,
+            self._attempts,
             tensors,
             dht,
             # a member's round is scheduled at most this far from its group's (retries keep it)
@@ -229,6 +231,7 @@ class ProbedAverager:
     def _step(self, weight: float, info: dict[str, Any], scheduled_time: float | None) -> Any:
         self._probe = random.uniform(1.0, 2.0)
         self._discard.value = 0
+        self._attempts.value = 0
         self._probe_in.fill_(self._probe)
         gather = {**info, "probe": self._probe, "weight": weight}
         if self.defence is not None:  # every reducer and auditor of the group uses its median
@@ -249,6 +252,12 @@ class ProbedAverager:
 
     def done(self) -> bool:
         return self._control is not None and self._control.done()
+
+    @property
+    def attempts(self) -> int:
+        """Groups the last round ran its all-reduce with (a lost one is retried, time allowing:
+        more than 1 where a member stalled it)."""
+        return int(self._attempts.value)
 
     def group_found(self) -> bool:
         """The running round found its group (its all-reduce may wait for the trigger)."""

@@ -27,6 +27,8 @@ different periods still meet (at every slot of the longer)."""
 SLOT_MARGIN_S = 0.25
 """A round that could look for its group only this long before its slot takes the next slot."""
 MAX_PERIOD_S = 3600.0
+RECENT_STEPS = 100
+"""Steps whose wall time start_lag_s looks at (an evaluation at the default interval among them)."""
 
 
 class RoundClock:
@@ -43,6 +45,7 @@ class RoundClock:
         self.step_s = 0.0
         self._last_step_at = 0.0
         self._round_times: deque[float] = deque(maxlen=5)
+        self._recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)
 
     def step_ended(self) -> None:
         """A local step ended: wall time per step, evaluation and rounds included."""
@@ -50,7 +53,15 @@ class RoundClock:
         if self._last_step_at:
             dt = now - self._last_step_at
             self.step_s = dt if not self.step_s else 0.8 * self.step_s + 0.2 * dt
+            self._recent_steps.append(dt)
         self._last_step_at = now
+
+    def start_lag_s(self) -> float:
+        """How late after its slot this peer may start a round's all-reduce: a prepared round
+        writes its contribution at the first step boundary past the slot, so its longest recent
+        step (an evaluation's included); 0 where the contribution is written before matchmaking.
+        The group waits this long for it (exact.start_timeout) before ending the round."""
+        return max(self._recent_steps, default=0.0) if self.prematched() else 0.0
 
     def slot_due(self) -> bool:
         """With H auto: the shared clock reached this peer's next round slot."""

@@ -13,9 +13,13 @@ The runner's output is the average itself, not a difference: the averager copies
 tensors. A reducer that fails leaves the member's own part in its span, which the probes show
 (averaging.py).
 
-A round that is lost ends at once (end_early): a member that reduces a span and sent nothing
-within the sender timeout (its span will have no average) ends it there rather than at the
-reducer timeout, and hivemind looks for another group within the round's time.
+A round that is lost ends at once (end_early): a member that reduces a span and has not even
+opened its stream to this member by the group's start timeout (`start_timeout`: a second, plus
+one and a half times the longest step a member declares where rounds write their contribution
+at a step past their slot; in 60 clean rounds of bench attack every member's first part came
+within 0.65 s of this member's start), or has sent nothing by the sender timeout (its span will
+have no average) ends it there rather than at the reducer timeout, and hivemind looks for
+another group within the round's time.
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
 of its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout;
@@ -34,6 +38,8 @@ either.
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
@@ -47,9 +53,34 @@ from hivemind.utils.asyncio import amap_in_executor
 
 from atomtrain.peer.traffic import CountedRunner
 
+log = logging.getLogger(__name__)
+
 NO_WEIGHT = 1e-30
 """What a part that weighs nothing adds to a reducer's denominator: far below any sender's weight
 (hivemind's floor is 1e-6), so no average's bits change, yet never 0/0."""
+
+START_FLOOR_S = 1.0
+"""How long after this member's all-reduce starts every member that reduces a span must have
+opened its stream of parts to it, besides the lag any member declares (START_LAGS of it)."""
+START_LAGS = 1.5
+"""Times the largest start lag a member of the group declares (`start_lag_s`: its longest
+recent step, where it writes its contribution at a step after its slot)."""
+
+
+def start_timeout(users: list[dict[str, Any]]) -> float:
+    """The group's start timeout (ExactAverageRunner), from what its members declared: the same
+    for every member. A member that declares an absurd lag only gets the sender timeout, as
+    before it (the runner never waits past that)."""
+    lags = []
+    for user in users:
+        try:
+            lag = float(user.get("start_lag_s", 0.0))
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(lag) and lag > 0:
+            lags.append(lag)
+    return START_FLOOR_S + START_LAGS * max(lags, default=0.0)
+
 
 NOT_IN_GROUP = f" sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}"
 """How hivemind's error ends when a reducer answers that it is not in the group."""
@@ -64,6 +95,9 @@ class ExactAverageRunner(CountedRunner):
         out_of_sync: Collection[Any] = (),
         delta_keys: Collection[int] = (),
         heard: set[Any] | None = None,
+        opened: dict[Any, float] | None = None,
+        since: float = 0.0,
+        start_timeout: float = math.inf,
         **kwargs: Any,
     ):
         """`out_of_sync`: members whose synchronized parameters differ from the group's
@@ -72,7 +106,10 @@ class ExactAverageRunner(CountedRunner):
         averaged in already when they applied that round: averaged in again, it lands twice, and
         again each round until the member re-synchronizes. (The robust reducer leaves them out
         by itself; this is for an undefended round.) `leader`: the member that formed the group
-        and told the others of it (finalize)."""
+        and told the others of it (finalize). `opened`: when each peer last opened a stream of
+        parts to this member (monotonic seconds), `since` when this member's previous group
+        ended; `start_timeout`: how long after this runner's start a member that reduces a span
+        may take to open its stream before the round ends (end_early)."""
         super().__init__(**kwargs)
         self._leader = leader
         self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
@@ -92,6 +129,9 @@ class ExactAverageRunner(CountedRunner):
         # members whose parts reached this member's averager for this group, whenever they came
         # (before this member started it, or after it ended: guarded.py records them)
         self._heard_late: set[Any] = set() if heard is None else heard
+        self._opened: dict[Any, float] = {} if opened is None else opened
+        self._since = since
+        self._start_timeout = start_timeout
         self._verdict: asyncio.Task | None = None
         register = self.tensor_part_container.register_processed_part
 
@@ -143,16 +183,42 @@ class ExactAverageRunner(CountedRunner):
         ]
 
     async def _handle_missing_senders(self) -> None:
-        """hivemind's; then a member that sent nothing within the sender timeout and reduces a
-        span ends the round (end_early): its span has no average without it."""
-        await super()._handle_missing_senders()
-        container = self.tensor_part_container
-        reducing = [
-            p for p in self._silent() if container.num_parts_by_peer[self.ordered_peer_ids.index(p)]
-        ]
+        """hivemind's, with the round ended (end_early) as soon as it is sure to be lost: at the
+        start timeout, where a member that reduces a span has not opened its stream to this
+        member (it had a step to start its all-reduce; its parts may still be on their way over a
+        slow link where it has); at the sender timeout, where such a member has sent nothing."""
+        sender_timeout = math.inf if self.sender_timeout is None else self.sender_timeout
+        if self._start_timeout < sender_timeout and await self._unstarted_by(self._start_timeout):
+            silent = [p for p in self._reducing(self._unheard_now()) if not self._contacted(p)]
+            if silent:
+                self.end_early(f"{_names(silent)} opened no stream in {self._start_timeout:.1f} s")
+                return
+        if await self._unstarted_by(sender_timeout):
+            for peer_id in self.sender_peer_ids:  # hivemind's: their parts are left out
+                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+                    await self._ban_sender(peer_id)
+        reducing = self._reducing(self._silent())
         if reducing:
-            names = ", ".join(str(p)[-8:] for p in reducing)
-            self.end_early(f"{names} sent nothing within the sender timeout")
+            self.end_early(f"{_names(reducing)} sent nothing within the sender timeout")
+
+    async def _unstarted_by(self, seconds: float) -> bool:
+        """Whether some sender has not started by `seconds` after this runner's start."""
+        left = self._started + seconds - time.monotonic()
+        try:
+            wait = None if left == math.inf else max(left, 0.0)
+            await asyncio.wait_for(self.all_senders_started.wait(), wait)
+        except asyncio.TimeoutError:
+            return True
+        return False
+
+    def _reducing(self, peers: list[Any]) -> list[Any]:
+        """Those of `peers` that reduce a span of this round."""
+        counts = self.tensor_part_container.num_parts_by_peer
+        return [p for p in peers if counts[self.ordered_peer_ids.index(p)]]
+
+    def _contacted(self, peer_id: Any) -> bool:
+        """`peer_id` opened a stream of parts to this member since its previous group ended."""
+        return self._opened.get(peer_id, -math.inf) > self._since
 
     def end_early(self, why: str) -> None:
         """End a round that is lost (a span will have no average) now, not at the reducer
@@ -166,6 +232,7 @@ class ExactAverageRunner(CountedRunner):
         looking for its group says so), as when the round ran there."""
         if self._future.done():
             return
+        log.info("a round ended early (%s); looking for another group if time allows", why)
         unheard = self._unheard_now()
         self._unheard = set(unheard)
         deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
@@ -305,6 +372,10 @@ class ExactAverageRunner(CountedRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+def _names(peers: list[Any]) -> str:
+    return ", ".join(str(p)[-8:] for p in peers)
 
 
 def silent_members(silent: list[Any], leader: Any) -> list[Any]:

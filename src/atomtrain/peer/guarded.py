@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import replace
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
@@ -47,7 +48,7 @@ from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_weights
 from atomtrain.peer.download import download_from
-from atomtrain.peer.exact import ExactAverageRunner
+from atomtrain.peer.exact import ExactAverageRunner, start_timeout
 from atomtrain.peer.exclusion import (
     OPPOSED_COSINE,
     OPPOSED_EXCLUSION_ROUNDS,
@@ -98,13 +99,14 @@ class GuardedAverager(DecentralizedAverager):
         inputs: list[torch.Tensor],
         traffic: Traffic,
         discard: Any,
+        attempts: Any,
         *args: Any,
         window_s: float = 60.0,
         attack: str = "",
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._traffic, self._discard = traffic, discard
+        self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
         self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
         self._sealed = b""  # what this member sent its group this round
@@ -120,6 +122,8 @@ class GuardedAverager(DecentralizedAverager):
         self._rounds = 0  # rounds this member began
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
+        self._opened: dict[PeerID, float] = {}  # peer -> when it last opened a stream of parts
+        self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -215,6 +219,7 @@ class GuardedAverager(DecentralizedAverager):
         if refused and not self._audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        self._opened[context.remote_id] = time.monotonic()  # its parts may take a while to come
         first = await anext(stream)
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
@@ -465,6 +470,7 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
         self._discard.value = 0  # this attempt's: a retry after a lost one may still land
+        self._attempts.value += 1
         try:
             group_info = await self._checked(group_info)
             if not self._audited and any(
@@ -474,6 +480,7 @@ class GuardedAverager(DecentralizedAverager):
                 self._discard.value = self._discard.value or BANNED
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
+            self._group_ended = time.monotonic()
             self._assembled.discard(group_info.group_id)  # ran: a late request is refused
             started = self._running_groups.get(group_info.group_id)
             if started is not None and not started.done():
@@ -505,6 +512,9 @@ class GuardedAverager(DecentralizedAverager):
         runner = runner_type(
             **extra,
             heard=self._heard_of(group_id),
+            opened=self._opened,
+            since=self._group_ended,  # (set as this attempt ends)
+            start_timeout=start_timeout(self._users(group_info)),
             leader=self._led_by.get(group_info.group_id),
             traffic=self._traffic,
             p2p=self._p2p,

@@ -380,6 +380,7 @@ class PeerRuntime:
             "update_size": stats.size() * scale,
             "sync_every": self.clock.proposal,
             "period_s": self.clock.proposal_s,
+            "start_lag_s": self.clock.start_lag_s(),
             "live": self.presence.live_members(),  # the group's quorum: sync.group_live
         }
 
@@ -481,6 +482,7 @@ class PeerRuntime:
     def _lose_round(self, why: str, record: dict[str, Any]) -> None:
         """Nothing applied: the progress stays in the model and goes with the next round."""
         record["failed_round_s"] = time.perf_counter() - self._round_started
+        record["round_attempts"] = self.averager.attempts if self.averager is not None else 0
         self.failed_rounds += 1
         self.outcomes.append(False)
         self._shift(0.0)
@@ -578,6 +580,7 @@ class PeerRuntime:
         self.last_group_ids = result.peer_ids
         self.averager.left_out_ids -= set(result.peer_ids)  # back in a round that landed
         record["round_s"] = round_s
+        record["round_attempts"] = self.averager.attempts
         record["round_bytes"] = self.last_round_bytes
         record["averaging_memory_ratio"] = self.averaging_memory_ratio()
         log.debug("round %d applied with %d peers", self.round, result.group_size)
