@@ -601,17 +601,22 @@ def last_rounds(outcomes: list[bool], others_done_after: int = 99) -> tuple[int,
     return len(runs), did
 
 
-def test_a_last_round_that_did_not_land_is_tried_again_before_ending_on_the_sync_state():
+def test_a_last_round_that_did_not_land_is_tried_again_before_ending_on_the_sync_state(
+    monkeypatch,
+):
     """A member that stalls the last round (bench attack) cost every honest finisher its
     progress since the round before: the last round is tried again (FINAL_TRIES in all), unless
-    another finisher landed it meanwhile (its result is then taken, as before)."""
-    from atomtrain.peer.finish import FINAL_TRIES
+    another finisher is past its own last round meanwhile (no try could meet it: what follows is
+    as after a single try, the smallest peer ID's rule)."""
+    from atomtrain.peer import finish
 
+    monkeypatch.setattr(finish, "STATUS_DELAY_S", 0.0)
     assert last_rounds([False, True]) == (2, ["linger"])  # landed at its second try
     assert last_rounds([True]) == (1, ["linger"])
     # never lands: the smallest peer ID ends on its synchronized state, which the others take
-    assert last_rounds([False] * FINAL_TRIES) == (FINAL_TRIES, ["end_on_sync", "linger"])
-    # the other finisher landed it (it says it is done): no more tries
+    tries = finish.FINAL_TRIES
+    assert last_rounds([False] * tries) == (tries, ["end_on_sync", "linger"])
+    # the other finisher is past its last round: no more tries
     assert last_rounds([False, True], others_done_after=1) == (1, ["end_on_sync", "linger"])
 
 

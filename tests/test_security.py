@@ -1,6 +1,7 @@
 """Swarm keys close the DHT, averaging and state-download gates; bad updates are refused."""
 
 import asyncio
+import math
 import os
 import queue
 import secrets
@@ -32,11 +33,12 @@ from atomtrain.peer.auth import (
 from atomtrain.peer.averaging import ProbedAverager
 from atomtrain.peer.bounds import Defence, equal_weights
 from atomtrain.peer.exact import (
+    LAG_CAP,
     START_FLOOR_S,
     START_LAGS,
     ExactAverageRunner,
     silent_members,
-    start_timeout,
+    start_timeouts,
 )
 from atomtrain.peer.exclusion import (
     FORGIVE_ROUNDS,
@@ -517,7 +519,7 @@ def start_waited(opened: str, since: float = -1.0, start: float = 0.1) -> tuple[
     """A runner of members me, a, b (a reduces no span; b does, and sends nothing): how long
     its wait for the senders ran, and how the round ended. The members `opened` names opened
     their stream of parts to it (`since`: when its previous group ended, relative to its start);
-    `start`: the group's start timeout."""
+    `start`: b's start timeout (the others': 0.1 s)."""
 
     async def scenario() -> tuple[float, str]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
@@ -529,7 +531,7 @@ def start_waited(opened: str, since: float = -1.0, start: float = 0.1) -> tuple[
         runner._delivered, runner._not_in_group = set(), set()
         runner._unheard, runner._heard_late = set(), set()
         runner.sender_timeout, runner.reducer_timeout = 0.6, 1.2
-        runner._start_timeout = start
+        runner._start_timeout = {"me": 0.1, "a": 0.1, "b": start}
         runner._started = time.monotonic()
         runner._since = runner._started + since
         runner._opened = {p: runner._started for p in opened}
@@ -559,24 +561,33 @@ def test_a_round_ends_at_the_start_timeout_where_a_reducer_never_opened_its_stre
     not this round's. A member that reduces nothing never ends the round early."""
     waited, why = start_waited(opened="")
     assert waited < 0.4 and why == "b opened no stream in 0.1 s", (waited, why)
+    waited, why = start_waited(opened="", start=0.3)  # its own, longer: not at the others'
+    assert 0.3 <= waited < 0.55 and why == "b opened no stream in 0.3 s", (waited, why)
     waited, why = start_waited(opened="b")
     assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
     waited, why = start_waited(opened="b", since=0.05)  # a stream from the group before
     assert waited < 0.4 and why.startswith("b opened no stream"), (waited, why)
 
 
-def test_the_start_timeout_is_the_groups_and_no_member_stretches_it_past_the_sender_timeout():
-    """Every member computes the same start timeout from what the group declared: the floor
-    plus START_LAGS times the largest lag. Nonsense declarations are ignored; a huge one only
-    gets the sender timeout (the runner never waits past it)."""
-    assert start_timeout([{}, {"start_lag_s": 0.0}]) == START_FLOOR_S
-    assert start_timeout([{"start_lag_s": 0.2}, {"start_lag_s": 1.0}]) == pytest.approx(
-        START_FLOOR_S + START_LAGS * 1.0
+def test_each_members_start_timeout_follows_its_declared_lag_within_the_groups_cap():
+    """Every member computes the same start timeouts from what the group declared: the floor
+    plus START_LAGS times each member's own lag, no lag counting for more than LAG_CAP times
+    the group's lower median. A member that declares an absurd lag, or nonsense, or none, gets
+    the cap: it cannot keep its own silence from ending the round early."""
+    lags = [{"start_lag_s": 0.2}, {"start_lag_s": 0.4}, {"start_lag_s": 0.3}]
+    assert start_timeouts(lags) == pytest.approx(
+        [START_FLOOR_S + START_LAGS * x for x in (0.2, 0.4, 0.3)]
     )
-    junk = [{"start_lag_s": x} for x in ("x", None, float("nan"), -5.0, [1])]
-    assert start_timeout(junk) == START_FLOOR_S
-    huge = start_timeout([{"start_lag_s": 1e300}])
-    waited, why = start_waited(opened="", start=huge)  # the sender timeout ends it, as before
+    cap = START_FLOOR_S + START_LAGS * LAG_CAP * 0.3  # the lower median, the liar's counted or not
+    for junk in (1e300, "x", None, float("nan"), -5.0, [1]):
+        out = start_timeouts([*lags, {"start_lag_s": junk}])
+        assert out[-1] == pytest.approx(cap), junk
+    assert start_timeouts([*lags, {}])[-1] == pytest.approx(cap)
+    # rounds written before matchmaking declare 0: the floor for everyone, and for a liar too
+    assert (
+        start_timeouts([{"start_lag_s": 0.0}] * 2 + [{"start_lag_s": 99.0}]) == [START_FLOOR_S] * 3
+    )
+    waited, why = start_waited(opened="", start=math.inf)  # none: the sender timeout, as before
     assert 0.6 <= waited < 1.0 and why == "b sent nothing within the sender timeout", (waited, why)
 
 
@@ -648,7 +659,7 @@ def handlers_alone() -> GuardedAverager:
     avg = GuardedAverager.__new__(GuardedAverager)
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
-    avg._heard, avg._opened = {}, {}
+    avg._heard, avg._opened, avg._ran = {}, {}, {}
     return avg
 
 
@@ -1161,7 +1172,8 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
     timeout and named an honest member a staller (seen in CI in the slander test). So must one
     still looking for a group that has no join request out: a leader whose word came after the
     follower gave up on it has it in its group (bench attack: an honest peer left out). A member
-    with a request out, or holding a group that awaits its trigger, may be in it: it waits."""
+    with a request out, or holding a group that awaits its trigger, may be in it: it waits; one
+    asked for a group it already ran says so at once, even while it looks for its next."""
 
     async def scenario() -> dict[str, list[int]]:
         avg = handlers_alone()
@@ -1197,6 +1209,11 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         assert not triggered.done()
         run(b"d")
         codes["triggered"] = await asyncio.wait_for(triggered, 5)
+        # a group it ran (its round ended early), asked after while it looks for its next one
+        # with a request out: at once (a member probing whether it stalled named it)
+        avg._ran[b"f"] = None
+        avg._matchmaking.is_looking_for_group = True
+        codes["ran"] = await asyncio.wait_for(served(b"f"), 0.5)
         return codes
 
     assert asyncio.run(scenario()) == {
@@ -1205,6 +1222,7 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         "joined": [averaging_pb2.AVERAGED_PART],
         "missed": [averaging_pb2.BAD_GROUP_ID],
         "triggered": [averaging_pb2.AVERAGED_PART],
+        "ran": [averaging_pb2.BAD_GROUP_ID],
     }
 
 

@@ -164,6 +164,12 @@ class PeerSection:
     (median 1.08 s against 1.05 s without), so it is off by default."""
     averaging_timeout_s: float = 30.0
     """Longest a round may take before it counts as failed (its progress goes with the next)."""
+    start_timeout_s: float = 1.0
+    """How long after a member's all-reduce starts each other member must have opened its stream
+    of parts to it (besides 1.5 times the start lag that member declares: its longest recent step
+    where rounds write their contribution at their slot) before the round ends as lost (peer/
+    exact.py). On one machine every member's first part came within 0.65 s; raise it on links
+    with long round trips, where opening a stream takes several."""
     state_timeout_s: float = 60.0
     """Longest a joiner waits for one download of the swarm's state (slow links need more)."""
     target_group_size: int = 64
@@ -220,6 +226,10 @@ class PeerSection:
             raise AtomError(
                 f"peer.index ({self.index}) must be -1 (auto) or below peer.num_peers "
                 f"({self.num_peers})"
+            )
+        if not (self.start_timeout_s > 0 and math.isfinite(self.start_timeout_s)):
+            raise AtomError(
+                f"peer.start_timeout_s must be a positive number, got {self.start_timeout_s}"
             )
         if self.target_group_size < 2:
             raise AtomError("peer.target_group_size must be at least 2")

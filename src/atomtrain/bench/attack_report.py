@@ -117,7 +117,9 @@ def lost_attempt_cost(run: SwarmRun) -> dict[str, Any]:
     retry, its wall time over the median of the rounds that landed at their first attempt,
     less one; a round that failed after running an all-reduce, its whole wall time over that
     median (nothing of it landed; its progress goes with the next round). The issue's bar: a
-    stall costs at most one round. Rounds that found no group (attempts 0) are not counted."""
+    stall costs at most one round. Rounds that found no group (attempts 0) are not counted;
+    rounds whose all-reduce ran and was not applied (a pair short of the quorum, a discard)
+    are, in clean runs too (`clean_lost_attempt_cost`)."""
     typical = [
         r["round_s"] for log in run.records for r in log
         if "round_s" in r and r.get("round_attempts") == 1

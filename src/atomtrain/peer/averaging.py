@@ -58,6 +58,7 @@ from atomtrain.peer.bounds import (
     equal_weights,
 )
 from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, register
+from atomtrain.peer.exact import START_FLOOR_S
 from atomtrain.peer.guarded import FORGED, MALFORMED, UNVERIFIED, GuardedAverager, finite
 from atomtrain.peer.layout import Piece
 from atomtrain.peer.sync import membership
@@ -117,8 +118,10 @@ class ProbedAverager:
         gate: MemberGate | None = None,
         defence: Defence | None = None,
         attack: str = "",
+        start_timeout_s: float = START_FLOOR_S,
     ) -> None:
-        """`attack`: `forge_gather` makes this averager a leader that forges (bench attack)."""
+        """`attack`: `forge_gather` makes this averager a leader that forges (bench attack);
+        `start_timeout_s`: exact.py's floor of each member's start timeout."""
         self.pieces = pieces
         self.timeout_s = timeout_s
         wire, dtype, _ = codec(compression)
@@ -161,6 +164,7 @@ class ProbedAverager:
             dht,
             # a member's round is scheduled at most this far from its group's (retries keep it)
             window_s=timeout_s + 2 * matchmaking_s,
+            start_timeout_s=start_timeout_s,
             attack=attack,
             prefix=prefix,
             start=True,
@@ -255,8 +259,9 @@ class ProbedAverager:
 
     @property
     def attempts(self) -> int:
-        """Groups the last round ran its all-reduce with (a lost one is retried, time allowing:
-        more than 1 where a member stalled it)."""
+        """Groups the last round ran its all-reduce with: more than 1 where one was lost (a
+        member stalled it) and hivemind retried within the round's time, which only a round
+        started when due does (a prepared round fails; its slot has passed)."""
         return int(self._attempts.value)
 
     def group_found(self) -> bool:

@@ -27,8 +27,9 @@ different periods still meet (at every slot of the longer)."""
 SLOT_MARGIN_S = 0.25
 """A round that could look for its group only this long before its slot takes the next slot."""
 MAX_PERIOD_S = 3600.0
-RECENT_STEPS = 100
-"""Steps whose wall time start_lag_s looks at (an evaluation at the default interval among them)."""
+RECENT_STEPS = 1000
+"""Steps whose wall time start_lag_s looks at: evaluations and checkpoints at their default
+intervals (100 and 200 steps) among them."""
 
 
 class RoundClock:
@@ -46,6 +47,7 @@ class RoundClock:
         self._last_step_at = 0.0
         self._round_times: deque[float] = deque(maxlen=5)
         self._recent_steps: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._steps_timed = 0
 
     def step_ended(self) -> None:
         """A local step ended: wall time per step, evaluation and rounds included."""
@@ -53,7 +55,9 @@ class RoundClock:
         if self._last_step_at:
             dt = now - self._last_step_at
             self.step_s = dt if not self.step_s else 0.8 * self.step_s + 0.2 * dt
-            self._recent_steps.append(dt)
+            self._steps_timed += 1
+            if self._steps_timed > 2:  # (the first steps warm up: compiled kernels, caches)
+                self._recent_steps.append(dt)
         self._last_step_at = now
 
     def start_lag_s(self) -> float:

@@ -14,12 +14,13 @@ tensors. A reducer that fails leaves the member's own part in its span, which th
 (averaging.py).
 
 A round that is lost ends at once (end_early): a member that reduces a span and has not even
-opened its stream to this member by the group's start timeout (`start_timeout`: a second, plus
-one and a half times the longest step a member declares where rounds write their contribution
-at a step past their slot; in 60 clean rounds of bench attack every member's first part came
-within 0.65 s of this member's start), or has sent nothing by the sender timeout (its span will
-have no average) ends it there rather than at the reducer timeout, and hivemind looks for
-another group within the round's time.
+opened its stream to this member by its start timeout (`start_timeouts`: a second, plus one and a
+half times the lag it declares, its longest recent step where rounds write their contribution at
+the first step past their slot, capped at 4 times the group's median lag; in 60 clean rounds of
+bench attack every member's first part came within 0.65 s of this member's start), or has sent
+nothing by the sender timeout (its span will have no average) ends it there rather than at the
+reducer timeout. A round that looked for its group when it was due then looks for another within
+the round's time; a round prepared for a slot fails, and the next slot comes.
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
 of its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout;
@@ -61,25 +62,31 @@ NO_WEIGHT = 1e-30
 
 START_FLOOR_S = 1.0
 """How long after this member's all-reduce starts every member that reduces a span must have
-opened its stream of parts to it, besides the lag any member declares (START_LAGS of it)."""
+opened its stream of parts to it, besides START_LAGS times the lag that member declares (the
+default of `peer.start_timeout_s`)."""
 START_LAGS = 1.5
-"""Times the largest start lag a member of the group declares (`start_lag_s`: its longest
-recent step, where it writes its contribution at a step after its slot)."""
+"""Times the start lag a member declares (`start_lag_s`: its longest recent step, where it
+writes its contribution at the first step past its slot; 0 where it wrote it before
+matchmaking)."""
+LAG_CAP = 4.0
+"""No member's lag counts for more than this many times the group's lower median lag: a member
+that declares an absurd lag, or none, cannot keep its own silence from ending the round early
+(only the sender timeout would end it)."""
 
 
-def start_timeout(users: list[dict[str, Any]]) -> float:
-    """The group's start timeout (ExactAverageRunner), from what its members declared: the same
-    for every member. A member that declares an absurd lag only gets the sender timeout, as
-    before it (the runner never waits past that)."""
-    lags = []
+def start_timeouts(users: list[dict[str, Any]], floor: float = START_FLOOR_S) -> list[float]:
+    """Each member's start timeout, in group order (ExactAverageRunner), from what the members
+    declared: the same on every member that uses the same `floor`."""
+    lags: list[float] = []
     for user in users:
         try:
-            lag = float(user.get("start_lag_s", 0.0))
+            lag = float(user.get("start_lag_s", math.inf))
         except (TypeError, ValueError):
-            continue
-        if math.isfinite(lag) and lag > 0:
-            lags.append(lag)
-    return START_FLOOR_S + START_LAGS * max(lags, default=0.0)
+            lag = math.inf
+        lags.append(lag if lag >= 0 else math.inf)  # (NaN too)
+    valid = sorted(x for x in lags if math.isfinite(x))
+    cap = LAG_CAP * valid[(len(valid) - 1) // 2] if valid else 0.0
+    return [floor + START_LAGS * min(lag, cap) for lag in lags]
 
 
 NOT_IN_GROUP = f" sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}"
@@ -97,7 +104,7 @@ class ExactAverageRunner(CountedRunner):
         heard: set[Any] | None = None,
         opened: dict[Any, float] | None = None,
         since: float = 0.0,
-        start_timeout: float = math.inf,
+        start_timeouts: Collection[float] = (),
         **kwargs: Any,
     ):
         """`out_of_sync`: members whose synchronized parameters differ from the group's
@@ -108,8 +115,9 @@ class ExactAverageRunner(CountedRunner):
         by itself; this is for an undefended round.) `leader`: the member that formed the group
         and told the others of it (finalize). `opened`: when each peer last opened a stream of
         parts to this member (monotonic seconds), `since` when this member's previous group
-        ended; `start_timeout`: how long after this runner's start a member that reduces a span
-        may take to open its stream before the round ends (end_early)."""
+        ended; `start_timeouts`, in group order: how long after this runner's start each member
+        that reduces a span may take to open its stream before the round ends (end_early; none:
+        only at the sender timeout)."""
         super().__init__(**kwargs)
         self._leader = leader
         self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
@@ -131,7 +139,7 @@ class ExactAverageRunner(CountedRunner):
         self._heard_late: set[Any] = set() if heard is None else heard
         self._opened: dict[Any, float] = {} if opened is None else opened
         self._since = since
-        self._start_timeout = start_timeout
+        self._start_timeout = dict(zip(self.ordered_peer_ids, start_timeouts, strict=False))
         self._verdict: asyncio.Task | None = None
         register = self.tensor_part_container.register_processed_part
 
@@ -183,15 +191,23 @@ class ExactAverageRunner(CountedRunner):
         ]
 
     async def _handle_missing_senders(self) -> None:
-        """hivemind's, with the round ended (end_early) as soon as it is sure to be lost: at the
-        start timeout, where a member that reduces a span has not opened its stream to this
-        member (it had a step to start its all-reduce; its parts may still be on their way over a
-        slow link where it has); at the sender timeout, where such a member has sent nothing."""
+        """hivemind's, with the round ended (end_early) where it has become all but sure to be
+        lost: at a member's start timeout, where it reduces a span and has not even opened its
+        stream to this member (its contribution was due within its declared lag; where it has
+        opened it, its parts may still be on their way over a slow link); at the sender
+        timeout, where such a member has sent nothing. Only a member that never opens its
+        stream is caught before the sender timeout."""
         sender_timeout = math.inf if self.sender_timeout is None else self.sender_timeout
-        if self._start_timeout < sender_timeout and await self._unstarted_by(self._start_timeout):
-            silent = [p for p in self._reducing(self._unheard_now()) if not self._contacted(p)]
+        for timeout in sorted({t for t in self._start_timeout.values() if t < sender_timeout}):
+            if not await self._unstarted_by(timeout):
+                break
+            silent = [
+                p
+                for p in self._reducing(self._unheard_now())
+                if not self._contacted(p) and self._start_timeout.get(p, math.inf) <= timeout
+            ]
             if silent:
-                self.end_early(f"{_names(silent)} opened no stream in {self._start_timeout:.1f} s")
+                self.end_early(f"{_names(silent)} opened no stream in {timeout:.1f} s")
                 return
         if await self._unstarted_by(sender_timeout):
             for peer_id in self.sender_peer_ids:  # hivemind's: their parts are left out
@@ -203,6 +219,8 @@ class ExactAverageRunner(CountedRunner):
 
     async def _unstarted_by(self, seconds: float) -> bool:
         """Whether some sender has not started by `seconds` after this runner's start."""
+        if self.all_senders_started.is_set():
+            return False
         left = self._started + seconds - time.monotonic()
         try:
             wait = None if left == math.inf else max(left, 0.0)

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from atomtrain.peer.layout import digest, param_slice
+from atomtrain.peer.presence import PUBLISH_EVERY_S
 from atomtrain.peer.status import PeerStatus
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ FINAL_TRIES = 3
 peer's result): a member that stalled the last round (bench attack, one seed in three) left
 every honest peer with the synchronized parameters, their progress since the round before
 lost (validation 3.16 against 2.75 clean)."""
+STATUS_DELAY_S = 2 * PUBLISH_EVERY_S
+"""How long a finisher's status (done) may take to reach the others."""
 
 
 class Finisher:
@@ -59,13 +62,13 @@ class Finisher:
         peer.on_final()  # what this peer brings to the last round: its weight average, if kept
         peer._final = True
         for tries in range(1, FINAL_TRIES + 1):
-            record.pop("group_size", None)
+            for key in ("group_size", "failed_round_s", "round_s", "round_attempts"):
+                record.pop(key, None)  # this try's, not an earlier one's
+            record["final_tries"] = tries
             peer._start_round()
             peer._poll(record, wait=True)
-            if "group_size" in record or tries == FINAL_TRIES:
-                break
-            if any(s.done for s in peer.presence.live_others()):
-                break  # another finisher landed it: its result is the swarm's (below)
+            if "group_size" in record or tries == FINAL_TRIES or self._another_done():
+                break  # (another finisher past its last round: as after a single try, below)
             log.info("the last round did not land; trying again (%d of %d)", tries + 1, FINAL_TRIES)
         group = record.get("group_size", 1)
         smallest = min([peer.peer_id] + [s.peer_id for s in others])
@@ -80,6 +83,12 @@ class Finisher:
             self._linger()
         else:
             self._adopt_final_state(record, smallest)
+
+    def _another_done(self) -> bool:
+        """Another finisher is past its last round (it landed, or ended on a state), after the
+        time its status takes to reach this peer: then no try of this one's can meet it."""
+        time.sleep(STATUS_DELAY_S)
+        return any(s.done for s in self.peer.presence.live_others())
 
     def end_on_sync(self) -> None:
         """The model takes the synchronized parameters, its local progress left behind: the end
@@ -117,8 +126,8 @@ class Finisher:
         """Stay a few seconds after the last round, serving its result to any peer that the
         group left out, until every other live peer is done."""
         self.done = True
-        # long enough for a left-out peer's own last round to time out and ask for the result
-        deadline = time.time() + self.peer.cfg.averaging_timeout_s + LINGER_S
+        # long enough for a left-out peer's own last rounds to time out and ask for the result
+        deadline = time.time() + FINAL_TRIES * self.peer.cfg.averaging_timeout_s + LINGER_S
         while time.time() < deadline:
             if all(s.done for s in self.peer.presence.live_others()):
                 return
@@ -127,7 +136,7 @@ class Finisher:
     def _adopt_final_state(self, record: dict[str, Any], representative: str) -> None:
         peer = self.peer
         assert peer.averager is not None
-        deadline = time.time() + peer.cfg.averaging_timeout_s + LINGER_S
+        deadline = time.time() + FINAL_TRIES * peer.cfg.averaging_timeout_s + LINGER_S
         while time.time() < deadline:  # its result is ready once it says it is done
             if any(s.done for s in peer.presence.live_others() if s.peer_id == representative):
                 break

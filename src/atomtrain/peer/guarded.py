@@ -48,7 +48,7 @@ from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_weights
 from atomtrain.peer.download import download_from
-from atomtrain.peer.exact import ExactAverageRunner, start_timeout
+from atomtrain.peer.exact import START_FLOOR_S, ExactAverageRunner, start_timeouts
 from atomtrain.peer.exclusion import (
     OPPOSED_COSINE,
     OPPOSED_EXCLUSION_ROUNDS,
@@ -102,12 +102,14 @@ class GuardedAverager(DecentralizedAverager):
         attempts: Any,
         *args: Any,
         window_s: float = 60.0,
+        start_timeout_s: float = START_FLOOR_S,
         attack: str = "",
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
+        self._start_timeout_s = start_timeout_s
         self._round_at = 0.0  # this round's scheduled time, which the sealed metadata names
         self._sealed = b""  # what this member sent its group this round
         self._leaders: dict[bytes, PeerID] = {}  # group ID -> the leader that formed it
@@ -124,6 +126,7 @@ class GuardedAverager(DecentralizedAverager):
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
         self._opened: dict[PeerID, float] = {}  # peer -> when it last opened a stream of parts
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
+        self._ran: dict[bytes, None] = {}  # groups this member ran, the latest HEARD_KEPT
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -266,8 +269,13 @@ class GuardedAverager(DecentralizedAverager):
         the round for the reducer timeout and named this member a staller; so did one whose
         word came after this member, still looking for a group, had given up on it (bench
         attack, 4 peers on 2 cores: an honest peer left out, its partners' next rounds short of
-        the quorum)."""
+        the quorum). A group this member already ran is refused at once too: a member whose
+        round ended early asks whether this one is in it before naming it a staller
+        (exact.py, _answers), and an answer held while this one looks for its next group named
+        it."""
         while group_id not in self._running_groups:
+            if group_id in self._ran:  # over (its round ended early, say): not looking for it
+                return False
             matchmaking = getattr(self, "_matchmaking", None)
             looking = matchmaking is not None and matchmaking.is_looking_for_group
             if group_id not in self._assembled and not (looking and self._asking):
@@ -481,6 +489,9 @@ class GuardedAverager(DecentralizedAverager):
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
             self._group_ended = time.monotonic()
+            self._ran[group_info.group_id] = None
+            while len(self._ran) > HEARD_KEPT:
+                del self._ran[next(iter(self._ran))]
             self._assembled.discard(group_info.group_id)  # ran: a late request is refused
             started = self._running_groups.get(group_info.group_id)
             if started is not None and not started.done():
@@ -514,7 +525,7 @@ class GuardedAverager(DecentralizedAverager):
             heard=self._heard_of(group_id),
             opened=self._opened,
             since=self._group_ended,  # (set as this attempt ends)
-            start_timeout=start_timeout(self._users(group_info)),
+            start_timeouts=start_timeouts(self._users(group_info), self._start_timeout_s),
             leader=self._led_by.get(group_info.group_id),
             traffic=self._traffic,
             p2p=self._p2p,

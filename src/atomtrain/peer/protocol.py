@@ -7,8 +7,9 @@ live peer of another tag says so once instead of waiting for it in silence."""
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 2
-"""Raised whenever a change makes an older peer misread a newer one's rounds."""
+PROTOCOL_VERSION = 3
+"""Raised whenever a change makes an older peer misread a newer one's rounds (3: members declare
+their start lag, and one that declares none gets the group's shortest start timeout)."""
 
 
 def protocol_tag(defend: bool, audit: bool) -> str:

@@ -218,6 +218,7 @@ class PeerRuntime:
             if self.cfg.defend
             else None,
             attack=self.cfg.attack,
+            start_timeout_s=self.cfg.start_timeout_s,
         )
         self.checker = StateCheck(self)
         if resumed is not None:
@@ -462,8 +463,11 @@ class PeerRuntime:
         av = self.averager
         if av is None or not av.running:
             return
-        if wait and av.awaiting_trigger and not av.done():
-            self._trigger_round()  # waiting for it (the run's end): its slot is now
+        if wait and av.awaiting_trigger:  # waited for (the run's end): at its slot, as the
+            while not av.done() and time.time() < self.clock.round_slot:  # others trigger it
+                time.sleep(0.01)  # (before it, the group's start timeouts would run out first)
+            if not av.done():
+                self._trigger_round()
         while True:
             if not self._group_found_at and av.group_found():
                 self._group_found_at = time.perf_counter()  # matchmaking is over
