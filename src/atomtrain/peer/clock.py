@@ -64,7 +64,7 @@ class RoundClock:
         """How late after its slot this peer may start a round's all-reduce: a prepared round
         writes its contribution at the first step boundary past the slot, so its longest recent
         step (an evaluation's included); 0 where the contribution is written before matchmaking.
-        The group waits this long for it (exact.start_timeout) before ending the round."""
+        The group waits about this long for it (exact.start_timeouts) before ending the round."""
         return max(self._recent_steps, default=0.0) if self.prematched() else 0.0
 
     def slot_due(self) -> bool:

@@ -218,11 +218,12 @@ class GuardedAverager(DecentralizedAverager):
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        # (before the gate, which may read the roster: its parts may take a while to come too)
+        self._opened[context.remote_id] = time.monotonic()
         refused = not await self._gate.allows(self.dht, context.remote_id)
         if refused and not self._audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        self._opened[context.remote_id] = time.monotonic()  # its parts may take a while to come
         first = await anext(stream)
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)

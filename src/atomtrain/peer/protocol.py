@@ -9,7 +9,7 @@ from __future__ import annotations
 
 PROTOCOL_VERSION = 3
 """Raised whenever a change makes an older peer misread a newer one's rounds (3: members declare
-their start lag, and one that declares none gets the group's shortest start timeout)."""
+their start lag, and one that declares none gets the cap of the group's, exact.start_timeouts)."""
 
 
 def protocol_tag(defend: bool, audit: bool) -> str:
