@@ -384,6 +384,27 @@ def test_a_peer_of_another_protocol_is_named_and_never_averaged_with(pair, tmp_p
         c.close()
 
 
+def test_a_peer_declares_its_longest_recent_step_as_its_start_lag_only_for_rounds_at_slots():
+    """A round prepared for a slot writes its contribution at the first step past it, so its
+    members may start up to their longest step late (an evaluation's included) and declare it
+    (exact.start_timeouts); the first steps (warm-up) do not count. A round written before it
+    looks for its group (H fixed, or blocking) declares no lag."""
+    from types import SimpleNamespace
+
+    from atomtrain.peer.clock import RoundClock
+
+    def lag(sync_every: str) -> float:
+        cfg = PeerSection(sync_every=sync_every)
+        clock = RoundClock(SimpleNamespace(cfg=cfg, _final=False))
+        for pause in (0.0, 0.3, 0.3, 0.02, 0.08, 0.02):  # a long warm-up, then steps
+            time.sleep(pause)
+            clock.step_ended()
+        return clock.start_lag_s()
+
+    assert 0.08 <= lag("auto") < 0.25
+    assert lag("5") == 0.0
+
+
 def test_slots_are_whole_multiples_of_the_period_on_the_shared_clock():
     from atomtrain.peer.clock import next_slot, on_ladder
 

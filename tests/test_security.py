@@ -663,6 +663,30 @@ def handlers_alone() -> GuardedAverager:
     return avg
 
 
+def test_a_stream_of_parts_counts_as_opened_before_its_first_part_comes():
+    """What the start timeout reads (exact.py, _contacted): a member's stream of parts is
+    stamped as it opens, before its first part arrives (over a slow link that part may take
+    seconds), so a member that started on time is never taken for one that did not."""
+
+    async def scenario() -> tuple[bool, bool]:
+        avg = handlers_alone()
+        never = asyncio.Event()
+
+        async def parts():
+            await never.wait()  # its first part is still on the wire
+            yield averaging_pb2.AveragingData(group_id=b"g", weight=1.0)
+
+        before = "member" in avg._opened
+        served = avg.rpc_aggregate_part(parts(), SimpleNamespace(remote_id="member"))
+        task = asyncio.create_task(anext(served))
+        await asyncio.sleep(0.1)
+        stamped = avg._opened.get("member", 0.0) > 0.0 and not task.done()
+        task.cancel()
+        return before, stamped
+
+    assert asyncio.run(scenario()) == (False, True)
+
+
 def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():
     """A member's part arrives while this one still checks the group's metadata; the member
     hangs up (its round failed, or on purpose). hivemind's handler awaits the group's start
