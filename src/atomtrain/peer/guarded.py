@@ -249,8 +249,7 @@ class GuardedAverager(DecentralizedAverager):
         """The members whose parts for `group_id` reached this member (the latest groups'
         kept)."""
         heard = self._heard.setdefault(group_id, set())
-        while len(self._heard) > HEARD_KEPT:
-            del self._heard[next(iter(self._heard))]
+        keep_latest(self._heard, HEARD_KEPT)
         return self._heard.get(group_id, heard)
 
     async def _group_started(self, group_id: bytes) -> bool:
@@ -491,8 +490,7 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             self._group_ended = time.monotonic()
             self._ran[group_info.group_id] = None
-            while len(self._ran) > HEARD_KEPT:
-                del self._ran[next(iter(self._ran))]
+            keep_latest(self._ran, HEARD_KEPT)
             self._assembled.discard(group_info.group_id)  # ran: a late request is refused
             started = self._running_groups.get(group_info.group_id)
             if started is not None and not started.done():
@@ -539,8 +537,7 @@ class GuardedAverager(DecentralizedAverager):
         )
         if isinstance(runner, AuditedRunner):  # its auditor and members ask it after it ends
             self._audits[group_id] = runner
-            while len(self._audits) > AUDITS_KEPT:
-                del self._audits[next(iter(self._audits))]
+            keep_latest(self._audits, AUDITS_KEPT)
         self._running_groups[group_id].set_result(runner)
         index = 0
         async for average in runner:  # to its end: an audited round is checked after the last
@@ -607,3 +604,9 @@ def _number(x: Any) -> float:
         return float(x)
     except (TypeError, ValueError):
         return float("nan")
+
+
+def keep_latest(entries: dict[Any, Any], most: int) -> None:
+    """Drop the oldest of `entries` (insertion order) until at most `most` are left."""
+    while len(entries) > most:
+        del entries[next(iter(entries))]
