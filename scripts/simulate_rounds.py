@@ -1,17 +1,24 @@
 """What averaging rounds give per step, without the network: `bench scaling`'s model, data,
 optimizer and weight average, W workers in one process, a round every H steps that lands L steps
-after it starts (the overlap Atom's rounds run with). Prints the validated weight average every
-50 steps, then one JSON line with the first step it reached the target.
+after it starts (the overlap Atom's rounds run with). Prints the validation loss of worker 0's
+weight average every 50 steps, then one JSON line with the first step it reached the target.
 
     .venv/bin/python scripts/simulate_rounds.py --workers 2 --every 32 --lands-after 20
+    .venv/bin/python scripts/simulate_rounds.py --workers 1 --rows 16 --ema 0.9604   # ideal_2
+
+Each worker draws its own windows (as peers do, by its index); bench scaling's swarm is timed
+until every peer has validated at the target, this script validates worker 0 only. Rounds are
+uncompressed (the bench's peers send 8 bits an element, with error feedback).
 
 A round takes each worker's contribution q = theta - x (theta: the synchronized parameters),
 averages them to s (plain averaging: bench scaling's outer step) and moves theta by s. With
 --lands-after 0 every worker then continues from theta, as synchronous DiLoCo does. Otherwise
 each keeps training while the round is in flight and, at the landing, adds `--landing-share`
 of its correction q - s (peer/rounds.py's arithmetic at 1; what it leaves out stays in its next
-contribution). `--own-share` steps each worker back to theta - q / W while the round runs, as
-the runtime does (rounds.py, "own share"); without it the worker keeps its whole progress.
+contribution): at 1 the worker lands at theta - s plus what it trained in flight, at 0.5
+halfway between that and theta - q plus the same. `--own-share` steps each worker back to
+theta - q / W while the round runs (the runtime keeps half, runtime.OWN_SHARE: the same for 2
+workers); without it the worker keeps its whole progress.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 
 from atomtrain.config import DataSection
 from atomtrain.data.loader import LoaderConfig, WindowSampler, to_xy
+from atomtrain.data.shards import TokenShards
 from atomtrain.models.config import GPTConfig
 from atomtrain.models.gpt import GPT
 from atomtrain.train.averaged import WARMUP
@@ -44,8 +52,18 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=2.2)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--data", default="", help="a prepared corpus (default: bench scaling's)")
     p.add_argument("--name", default="")
-    return p.parse_args()
+    a = p.parse_args()
+    if a.workers < 1 or a.every < 0 or a.lands_after < 0 or a.eval_every < 1:
+        p.error(
+            "--workers and --eval-every must be positive, --every and --lands-after not negative"
+        )
+    if a.every and a.lands_after >= a.every:
+        p.error("--lands-after must be below --every (one round in flight at a time)")
+    return a
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -70,8 +88,8 @@ def adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
 def main() -> None:
     a = parse()
     torch.set_num_threads(1)
-    shards = prepared_data(DataSection())
-    cfg = GPTConfig.from_name("small")
+    shards = TokenShards.open(a.data) if a.data else prepared_data(DataSection())
+    cfg = GPTConfig.from_name(a.preset)
     torch.manual_seed(a.seed)
     init = GPT(cfg).state_dict()
     models = [GPT(cfg) for _ in range(a.workers)]
@@ -86,7 +104,8 @@ def main() -> None:
     val = [to_xy(held_out.windows("val", i)) for i in range(16)]
     theta = flat(models[0]).clone()
     average, updates = theta.clone(), 0
-    probe = GPT(cfg)
+    probe = GPT(cfg).eval()
+    rounds = 0
     in_flight = None  # (landing step, contributions, own steps taken at the start, s)
     reached, t0 = None, time.time()
     for step in range(1, a.steps + 1):
@@ -101,6 +120,7 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
         if a.every and step % a.every == 0 and in_flight is None:
+            rounds += 1
             qs = [theta - flat(m) for m in models]
             s = sum(qs) / a.workers
             if a.lands_after == 0:
@@ -122,14 +142,14 @@ def main() -> None:
             updates += a.ema_every
             decay = min(a.ema, (1 + updates) / (WARMUP + updates)) ** a.ema_every
             average.mul_(decay).add_(flat(models[0]), alpha=1 - decay)
-        if step % 50 == 0:
+        if step % a.eval_every == 0:
             put(probe, average)
             with torch.no_grad():
                 loss = sum(float(probe(x, y)[1]) for x, y in val) / len(val)
             print(f"{a.name} step {step} val {loss:.4f} ({time.time() - t0:.0f} s)", flush=True)
             if reached is None and loss <= a.target:
                 reached = step
-    print(json.dumps({"name": a.name, "reached": reached, **vars(a)}), flush=True)
+    print(json.dumps({"name": a.name, "reached": reached, "rounds": rounds, **vars(a)}), flush=True)
 
 
 if __name__ == "__main__":

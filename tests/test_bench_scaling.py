@@ -311,3 +311,29 @@ def test_no_ceiling_turns_the_ideal_systems_off(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setattr(bench_cmd, "_emit", lambda result, as_json: None)
         assert args.func(args, extra) == 0
         assert seen[-1].ceiling is ceiling
+
+
+def simulate(prepared: Path, *argv: str) -> tuple[list[float], dict]:
+    """scripts/simulate_rounds.py on the tiny model: its validation losses and its result."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "simulate_rounds.py"
+    common = ["--preset", "tiny", "--data", str(prepared), "--steps", "24", "--eval-every", "8"]
+    out = subprocess.run(
+        [sys.executable, str(script), *common, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    losses = [float(line.split(" val ")[1].split()[0]) for line in lines[:-1]]
+    return losses, json.loads(lines[-1])
+
+
+def test_the_round_simulation_changes_nothing_for_one_worker_and_averages_two(prepared: Path):
+    """scripts/simulate_rounds.py (the README's "What takes the gain away"): a worker alone
+    averages with itself, so its overlapped rounds (own share at the start, the correction at
+    the landing) must leave its training as it was; two workers' rounds change it."""
+    alone, plain = simulate(prepared, "--workers", "1")
+    with_rounds, result = simulate(prepared, "--workers", "1", "--every", "4", "--lands-after", "2")
+    assert result["rounds"] == 6 and plain["rounds"] == 0
+    assert len(alone) == 3 and all(math.isfinite(v) for v in alone)
+    assert with_rounds == pytest.approx(alone, abs=1e-3)
+    two, _ = simulate(prepared, "--workers", "2", "--every", "4", "--lands-after", "2")
+    assert all(math.isfinite(v) for v in two) and two != pytest.approx(alone, abs=1e-3)

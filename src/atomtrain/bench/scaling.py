@@ -88,11 +88,11 @@ class ScalingBenchConfig:
     """Every system's learning rate, constant (min_lr the same), tuned for the single peer with
     its weight average (`ema`). In this bench's launch code (seed 0, 3c36a83) the single peer
     reached the target in 81.6 s (850 steps) at 1.4e-3 with the average, against 107.4 s (1150)
-    at 2e-3 without, the setting before. In a simulation of the same model and data (3 seeds,
-    steps until the average validated at 2.2): 800, 1000, 1000 at 1.4e-3; 1350, 1500, 1100 at
-    2e-3; 900 at 1e-3 (seed 0); two peers averaging every 32 steps needed 900 and 950 at 1.4e-3
-    and 900 at 2e-3. Without the average (2ffade1, seed 0): 1200 steps at both 1.41e-3 and 2e-3
-    for the single peer, and at 2.83e-3 atom_2 needed 1700."""
+    at 2e-3 without, the setting before. In an earlier simulation of the same model and data (3
+    seeds, steps until the average validated at 2.2; not scripts/simulate_rounds.py): 800, 1000,
+    1000 at 1.4e-3; 1350, 1500, 1100 at 2e-3; 900 at 1e-3 (seed 0); two peers averaging every 32
+    steps needed 900 and 950 at 1.4e-3 and 900 at 2e-3. Without the average (2ffade1, seed 0):
+    1200 steps at both 1.41e-3 and 2e-3 for the single peer, and at 2.83e-3 atom_2 needed 1700."""
     ema: float = 0.98
     """Every system validates the moving average of its weights (`--train.ema`), as a user of
     a constant learning rate would: the weights themselves carry each step's noise, and a
