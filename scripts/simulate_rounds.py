@@ -1,7 +1,8 @@
 """What averaging rounds give per step, without the network: `bench scaling`'s model, data,
 optimizer and weight average, W workers in one process, a round every H steps that lands L steps
 after it starts (the overlap Atom's rounds run with). Prints the validation loss of worker 0's
-weight average every 50 steps, then one JSON line with the first step it reached the target.
+weight average every `--eval-every` steps, then one JSON line with the first step it reached the
+target.
 
     .venv/bin/python scripts/simulate_rounds.py --workers 2 --every 32 --lands-after 20
     .venv/bin/python scripts/simulate_rounds.py --workers 1 --rows 16 --ema 0.9604   # ideal_2
@@ -32,6 +33,7 @@ import torch
 from atomtrain.config import DataSection
 from atomtrain.data.loader import LoaderConfig, WindowSampler, to_xy
 from atomtrain.data.shards import TokenShards
+from atomtrain.errors import AtomError
 from atomtrain.models.config import GPTConfig
 from atomtrain.models.gpt import GPT
 from atomtrain.train.averaged import WARMUP
@@ -153,4 +155,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except AtomError as e:  # a corpus that is missing or not prepared, say
+        raise SystemExit(f"error: {e}") from None
