@@ -81,10 +81,25 @@ def keyed_peer(key: SwarmKey | None) -> tuple[DHT, ProbedAverager]:
     return dht, avg
 
 
+async def within(awaitable, what: str, seconds: float = 60.0):
+    """`awaitable`, failing with what hung (a hang once took pytest's whole 300 s, in CI on a
+    slow machine, with no sign of which call it was)."""
+    try:
+        return await asyncio.wait_for(awaitable, seconds)
+    except TimeoutError:
+        raise AssertionError(f"no answer to the {what} within {seconds:.0f} s") from None
+
+
+async def collect(stream) -> list:
+    return [m async for m in stream]
+
+
 async def knock(victim: DHT, prefix: str) -> dict[str, object]:
     """Call the victim's three averaging RPCs directly over libp2p, as a peer without the key
     that skipped the DHT would, and report what came back."""
-    p2p = await P2P.create(initial_peers=[str(a) for a in victim.get_visible_maddrs()])
+    p2p = await within(
+        P2P.create(initial_peers=[str(a) for a in victim.get_visible_maddrs()]), "p2p"
+    )
     try:
         stub = GuardedAverager.get_stub(p2p, victim.peer_id, namespace=prefix)
         join = await stub.rpc_join_group(
@@ -92,7 +107,7 @@ async def knock(victim: DHT, prefix: str) -> dict[str, object]:
                 schema_hash=b"x", expiration=get_dht_time() + 10, group_key=f"{prefix}.0b"
             )
         )
-        join_code = (await join.__anext__()).code
+        join_code = (await within(join.__anext__(), "join")).code
 
         async def parts():
             yield averaging_pb2.AveragingData(
@@ -105,10 +120,10 @@ async def knock(victim: DHT, prefix: str) -> dict[str, object]:
 
         answered = asyncio.Event()
         part = await stub.rpc_aggregate_part(parts())
-        part_code = (await part.__anext__()).code
+        part_code = (await within(part.__anext__(), "part")).code
         answered.set()
         download = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        state_messages = [m async for m in download]
+        state_messages = await within(collect(download), "download")
         return {"join": join_code, "part": part_code, "state_messages": len(state_messages)}
     finally:
         await p2p.shutdown()
