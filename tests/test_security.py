@@ -643,17 +643,28 @@ def test_a_leader_that_forges_a_members_metadata_loses_its_round_and_is_named(tm
     """Peer 2 trains honestly and leads the first round (it starts first); as leader it sends
     its followers another member's claimed rms and weight rewritten under that member's
     signature. Both honest peers find a blob its member did not seal: they apply nothing of that
-    round and reject the leader (not its victim); the next rounds land between them."""
+    round and reject the leader (not its victim); the next rounds land between them.
+
+    A round that found no group at all (on 2 loaded cores, the first round's matchmaking with cold
+    certificate caches once outlasted its timeout: CI, 2026-12-04) is no part of the attack: the
+    forger, not yet named, leads the next one. Such rounds are skipped, never counted as landed."""
     outs = run_round(tmp_path, "forge_gather", defend=True)
     for out in outs.values():
-        first, *later = out["rounds"]
-        assert first["failed"] and "did not sign" in first["why"], out["rounds"]
+        formed = [r for r in out["rounds"] if not no_group(r)]
+        assert formed, out["rounds"]
+        forged, *later = formed
+        assert forged["failed"] and "did not sign" in forged["why"], out["rounds"]
         # named as its own signed metadata names it (the harness names peer i "h{i}")
         assert [who for who, _ in out["rejected"]] == ["h2"], out["rejected"]
         assert "forged metadata" in out["rejected"][0][1]
-        assert later and all(not r["failed"] and r["group"] == 2 for r in later), later
+        assert later and all(not r["failed"] and r["group"] == 2 for r in later), out["rounds"]
         for r in later:
             assert torch.allclose(r["delta"], honest_mean(), atol=1e-6)
+
+
+def no_group(rnd: dict) -> bool:
+    """A round that failed before any group formed: nothing was sent or received in it."""
+    return rnd["failed"] and "could not find a group" in rnd["why"]
 
 
 class AnsweringRunner:
