@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -185,6 +186,72 @@ def test_the_gate_reads_the_roster_once_for_a_callers_many_checks(
         elsewhere = MemberGate(owner, "no-such-swarm")
         assert asyncio.run(elsewhere.allows(counted, sybil)) is False and counted.gets == 10
         assert asyncio.run(elsewhere.allows(counted, sybil)) is False and counted.gets == 12
+    finally:
+        for dht in others:
+            dht.shutdown()
+        host.shutdown()
+
+
+class FrozenDHT(AwaitableDHT):
+    """A DHT whose reads hang, as they do while a member's averager is frozen (every read
+    waits for that member's node)."""
+
+    def get(self, key: str, latest: bool, return_future: bool):
+        async def hung():
+            await asyncio.sleep(3600)
+
+        return hung()
+
+
+def test_an_expired_check_is_renewed_off_the_path_and_a_revocation_still_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Past PROOF_TTL_S a verified member is let in at once while the roster is read anew in
+    the background (a round's checks waited for that read: 3.7 s where a frozen member's DHT
+    node held it); the new read ends its trust if its certificate was revoked meanwhile. Past
+    the grace too, a check waits for the read, and one the DHT never answers is refused."""
+    key = SwarmKey(secrets.token_bytes(32))
+    owner = Membership.of_owner(key, "owner", RSAPrivateKey())
+    alice, alice_id = admit(key, tmp_path, "alice")
+    host = start_dht(owner, [])
+    addrs = [str(a) for a in host.get_visible_maddrs()]
+    others = [start_dht(alice, addrs, alice_id)]
+    monkeypatch.setattr(auth, "ROSTER_READ_S", 0.5)
+    monkeypatch.setattr(auth, "ROSTER_TTL_S", 0.0)  # every renewal reads the DHT
+    try:
+        declare_member(others[0], SWARM, alice, others[0].peer_id, wait=True)
+        peer = others[0].peer_id
+        counted, gate = CountedDHT(host), MemberGate(owner, SWARM)
+
+        async def scenario() -> None:
+            assert await gate.allows(counted, peer) and counted.gets == 2
+
+            def expire(by: float) -> None:
+                until, member, public = gate._verified[peer]
+                gate._verified[peer] = (time.monotonic() - by, member, public)
+
+            expire(1.0)  # within the grace: no read on the path, even from a hung DHT
+            assert await asyncio.wait_for(gate.allows(FrozenDHT(host), peer), 0.2)
+            await asyncio.sleep(0.6)  # that renewal's read failed: the grace runs on
+            assert await gate.allows(counted, peer)  # renewed from the DHT this time
+            await gate._renewing[peer]
+            assert counted.gets == 4 and gate._verified[peer][0] > time.monotonic()
+            # the owner revokes alice: the next renewal ends her trust
+            revoked = revoke(key.secret, ["alice"], None)
+            expires = get_dht_time() + 60
+            assert host.store(
+                revoked_key(SWARM), revoked.to_text(), expires, own_subkey(owner.private_key)
+            )
+            expire(1.0)
+            assert await gate.allows(counted, peer)  # (still trusted while it reads)
+            await gate._renewing[peer]
+            assert not await gate.allows(counted, peer)
+            # past the grace a check waits for its read; a hung DHT refuses
+            fresh = MemberGate(owner, SWARM)
+            fresh._verified[peer] = (time.monotonic() - auth.PROOF_GRACE_S - 1.0, "alice", "")
+            assert not await fresh.allows(FrozenDHT(host), peer)
+
+        asyncio.run(scenario())
     finally:
         for dht in others:
             dht.shutdown()

@@ -23,6 +23,7 @@ open (the peer says so at start). The transport stays encrypted either way (libp
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import secrets
 import tempfile
@@ -56,6 +57,14 @@ SELF_CERT_LIFETIME_S = 3600.0
 """Certificates an owner's peer issues itself are short-lived (it reissues them)."""
 PROOF_TTL_S = 30.0
 """Members republish their certificate this often or sooner; the gate trusts a check this long."""
+PROOF_GRACE_S = 30.0
+"""Past PROOF_TTL_S the gate trusts a check this much longer while it reads the roster anew in
+the background; only past both does a check wait for the read. Read on the check's path, a
+roster read waits for every DHT node, and a member whose averager is frozen answers none for
+seconds (bench attack's stall: a member that had just joined a group started its all-reduce
+3.7 s late, reading the certificates of its group, and was taken for a second staller). A
+certificate revoked or gone is refused once that read lands, as before within about
+PROOF_TTL_S."""
 ROSTER_TTL_S = 2.0
 """The gate reuses a roster it read from the DHT for this long, for a caller that first asked
 before that read began. An honest peer stores its certificate before it first asks anything, so
@@ -391,6 +400,7 @@ class MemberGate:
         self._first_asked: dict[PeerID, float] = {}  # when each unverified caller first asked
         self._roster: tuple[float, Roster] | None = None  # when its read began, the roster
         self._reading: tuple[float, asyncio.Future] | None = None  # the read in flight
+        self._renewing: dict[PeerID, asyncio.Future] = {}  # checks renewed in the background
 
     def ban(self, peer_id: PeerID) -> None:
         self.banned.add(peer_id)
@@ -421,8 +431,10 @@ class MemberGate:
     async def _certified(self, dht: Any, peer_id: PeerID) -> tuple[str, str] | None:
         """(member, public key) a valid, unrevoked certificate names for `peer_id`."""
         now = time.monotonic()
-        until, member, key = self._verified.get(peer_id, (0.0, "", ""))
-        if until <= now:
+        until, member, key = self._verified.get(peer_id, (-math.inf, "", ""))
+        if until <= now < until + PROOF_GRACE_S:
+            self._renew_later(dht, peer_id, until)
+        elif until <= now:
             if len(self._first_asked) >= SEEN_KEPT:
                 self._first_asked.clear()
             roster = await self._read_roster(dht, self._first_asked.setdefault(peer_id, now))
@@ -433,6 +445,28 @@ class MemberGate:
             member, key = cert.member, cert.public_key
             self._verified[peer_id] = (now + PROOF_TTL_S, member, key)
         return member, key
+
+    def _renew_later(self, dht: Any, peer_id: PeerID, expired: float) -> None:
+        """Check `peer_id` again, in the background, against a roster read since its check
+        expired (PROOF_GRACE_S): a certificate gone or revoked by then ends its trust."""
+        task = self._renewing.get(peer_id)
+        if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
+            return
+
+        async def renew() -> None:
+            roster = await self._read_roster(dht, expired)
+            if roster is None:  # the DHT did not answer: the grace runs on
+                return
+            cert = roster.of_peer(peer_id.to_base58())
+            if cert is None:
+                self._verified.pop(peer_id, None)
+            else:
+                renewed = time.monotonic() + PROOF_TTL_S
+                self._verified[peer_id] = (renewed, cert.member, cert.public_key)
+
+        self._renewing[peer_id] = asyncio.ensure_future(renew())
+        if len(self._renewing) >= SEEN_KEPT:
+            self._renewing = {p: t for p, t in self._renewing.items() if not t.done()}
 
     async def _read_roster(self, dht: Any, since: float) -> Roster | None:
         """The swarm's roster as read by a DHT read that began at `since` or later and at most
