@@ -227,7 +227,7 @@ def test_an_expired_check_is_renewed_off_the_path_and_a_revocation_still_lands(
             assert await gate.allows(counted, peer) and counted.gets == 2
 
             def expire(by: float) -> None:
-                until, member, public = gate._verified[peer]
+                _, member, public = gate._verified[peer]
                 gate._verified[peer] = (time.monotonic() - by, member, public)
 
             expire(1.0)  # within the grace: no read on the path, even from a hung DHT
