@@ -530,6 +530,45 @@ def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_time
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
 
 
+def test_a_reducer_that_fails_this_members_span_ends_its_round_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A reducer that ended its own round early fails the spans it reduces for the others:
+    their round is lost too, so it ends there (exact.end_early), not when their last span comes
+    or times out. (A member waiting on a frozen leader's averages held its next group of three
+    5 s more.) No one is named for it at once: a failing reducer may be an honest one that saw
+    the staller first."""
+    from hivemind.averaging.partition import AllreduceException
+
+    from atomtrain.peer.traffic import CountedRunner
+
+    async def fails(self, peer_id):
+        raise AllreduceException(f"peer {peer_id} sent 0 parts, but we expected 2")
+
+    monkeypatch.setattr(CountedRunner, "_communicate_with_peer", fails)
+
+    async def scenario() -> tuple[str, list[str]]:
+        runner = ExactAverageRunner.__new__(ExactAverageRunner)
+        named: list[str] = []
+        runner.peer_id, runner._leader, runner.group_id = "me", "a", b"g"
+        runner.sender_peer_ids = ["me", "a", "b"]
+        runner.active_senders, runner.banned_senders = {"me", "a", "b"}, set()
+        runner._delivered, runner._not_in_group = set(), set()
+        runner._unheard, runner._heard_late = set(), set()
+        runner.sender_timeout, runner.reducer_timeout = 0.1, 0.2
+        runner._started = time.monotonic()
+        runner._on_stall = lambda peer_id, why: named.append(peer_id)
+        runner._future = asyncio.get_running_loop().create_future()
+        runner.finalize = lambda exception: runner._future.set_exception(exception)
+        with pytest.raises(AllreduceException):
+            await runner._communicate_with_peer("b")
+        await asyncio.sleep(0.3)
+        return str(runner._future.exception()), named
+
+    why, named = asyncio.run(scenario())
+    assert why == "b failed this member's span" and named == [], (why, named)
+
+
 def start_waited(opened: str, since: float = -1.0, start: float = 0.1) -> tuple[float, str]:
     """A runner of members me, a, b (a reduces no span; b does, and sends nothing): how long
     its wait for the senders ran, and how the round ended. The members `opened` names opened

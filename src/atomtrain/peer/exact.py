@@ -19,7 +19,9 @@ half times the lag it declares, its longest recent step where rounds write their
 the first step past their slot, capped at 4 times the group's median lag; in 60 clean rounds of
 bench attack every member's first part came within 0.65 s of this member's start), or has sent
 nothing by the sender timeout (its span will have no average) ends it there rather than at the
-reducer timeout. A round that looked for its group when it was due then looks for another within
+reducer timeout; so does a reducer that fails this member's span (one that ended its own round
+early, or answered it is not in the group), where this member would have waited for the other
+spans. A round that looked for its group when it was due then looks for another within
 the round's time; a round prepared for a slot fails, and the next slot comes.
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
@@ -330,6 +332,11 @@ class ExactAverageRunner(CountedRunner):
             except AllreduceException as e:
                 if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                     self._not_in_group.add(peer_id)
+                # its span holds our own part: this round is lost here too, so it ends now, not
+                # when the last span comes or times out (a member whose reducers had ended at
+                # the sender timeout waited 5 s more for a frozen leader's averages, and the
+                # others' next group of three waited for it: bench attack's stall, 13.7 s)
+                self.end_early(f"{_names([peer_id])} failed this member's span")
                 raise
         # our own span: the average through the codec the others receive it in
         container = self.tensor_part_container
