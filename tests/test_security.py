@@ -530,14 +530,11 @@ def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_time
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
 
 
-def test_a_reducer_that_fails_this_members_span_ends_its_round_at_once(
-    monkeypatch: pytest.MonkeyPatch,
-):
-    """A reducer that ended its own round early fails the spans it reduces for the others:
-    their round is lost too, so it ends there (exact.end_early), not when their last span comes
-    or times out. (A member waiting on a frozen leader's averages held its next group of three
-    5 s more.) No one is named for it at once: a failing reducer may be an honest one that saw
-    the staller first."""
+def failed_span(delivered: str, finished_after: float = 0.0) -> tuple[float, str, list, list]:
+    """A runner of members me, a, b, c, all reducing spans; b fails this member's span, the
+    reducers `delivered` names have sent it averages, and c has sent it none of its parts. Its
+    own span is reduced `finished_after` seconds in. (When the round ended, or -1 where it ran
+    on; why; who was named at once; who after the reducer timeout.)"""
     from hivemind.averaging.partition import AllreduceException
 
     from atomtrain.peer.traffic import CountedRunner
@@ -545,28 +542,63 @@ def test_a_reducer_that_fails_this_members_span_ends_its_round_at_once(
     async def fails(self, peer_id):
         raise AllreduceException(f"peer {peer_id} sent 0 parts, but we expected 2")
 
-    monkeypatch.setattr(CountedRunner, "_communicate_with_peer", fails)
+    original = CountedRunner._communicate_with_peer
+    CountedRunner._communicate_with_peer = fails
 
-    async def scenario() -> tuple[str, list[str]]:
+    class Stub:
+        def __init__(self, peer_id: str):
+            self.peer_id = peer_id
+
+        async def rpc_aggregate_part(self, asked):
+            await asyncio.Event().wait()  # frozen: never answers
+
+    async def scenario() -> tuple[float, str, list, list]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
         named: list[str] = []
         runner.peer_id, runner._leader, runner.group_id = "me", "a", b"g"
-        runner.sender_peer_ids = ["me", "a", "b"]
+        runner.ordered_peer_ids = runner.sender_peer_ids = ["me", "a", "b", "c"]
+        runner.tensor_part_container = SimpleNamespace(num_parts_by_peer=[1, 1, 1, 1])
+        runner.tensor_part_reducer = SimpleNamespace(finished=asyncio.Event())
         runner.active_senders, runner.banned_senders = {"me", "a", "b"}, set()
-        runner._delivered, runner._not_in_group = set(), set()
+        runner._delivered, runner._not_in_group = set(delivered), set()
         runner._unheard, runner._heard_late = set(), set()
-        runner.sender_timeout, runner.reducer_timeout = 0.1, 0.2
+        runner.sender_timeout, runner.reducer_timeout = 0.2, 0.4
         runner._started = time.monotonic()
         runner._on_stall = lambda peer_id, why: named.append(peer_id)
+        runner._get_peer_stub = Stub
         runner._future = asyncio.get_running_loop().create_future()
         runner.finalize = lambda exception: runner._future.set_exception(exception)
+        asyncio.get_running_loop().call_later(
+            finished_after, runner.tensor_part_reducer.finished.set
+        )
         with pytest.raises(AllreduceException):
             await runner._communicate_with_peer("b")
-        await asyncio.sleep(0.3)
-        return str(runner._future.exception()), named
+        ended = time.monotonic() - runner._started if runner._future.done() else -1.0
+        why = str(runner._future.exception()) if runner._future.done() else ""
+        at_once = list(named)
+        await asyncio.sleep(0.5)
+        return ended, why, at_once, named
 
-    why, named = asyncio.run(scenario())
-    assert why == "b failed this member's span" and named == [], (why, named)
+    try:
+        return asyncio.run(scenario())
+    finally:
+        CountedRunner._communicate_with_peer = original
+
+
+def test_a_failed_span_ends_the_round_where_another_reducer_is_still_silent():
+    """A reducer that failed this member's span (b: it ended its own round early) leaves this
+    round lost here. Where another reducer has sent this member no average yet (c, frozen), the
+    round ends then (exact.end_early), not when c's averages time out, though only once this
+    member has reduced its own span for the others (their round may still land); no one is named
+    at once, and c only as the reducer timeout passes with c still silent. Where every other
+    reducer has delivered, the round runs to its end: its audit and agreement readings count."""
+    ended, why, at_once, later = failed_span(delivered="a")
+    assert 0 <= ended < 0.1 and why.startswith("b failed this member's span"), (ended, why)
+    assert "c sent no average yet" in why and at_once == [] and later == ["c"], (at_once, later)
+    ended, _, _, _ = failed_span(delivered="a", finished_after=0.15)  # its own span first
+    assert 0.15 <= ended < 0.3, ended
+    ended, why, at_once, later = failed_span(delivered="ac")
+    assert ended == -1.0 and at_once == later == [], (ended, why, later)
 
 
 def start_waited(opened: str, since: float = -1.0, start: float = 0.1) -> tuple[float, str]:

@@ -63,8 +63,10 @@ the background; only past both does a check wait for the read. Read on the check
 roster read waits for every DHT node, and a member whose averager is frozen answers none for
 seconds (bench attack's stall: a member that had just joined a group started its all-reduce
 3.7 s late, reading the certificates of its group, and was taken for a second staller). A
-certificate revoked or gone is refused once that read lands, as before within about
-PROOF_TTL_S."""
+certificate revoked or gone is refused once that read lands: soon after PROOF_TTL_S where its
+peer is checked then and the DHT answers, at most PROOF_TTL_S + PROOF_GRACE_S after its last
+good check. A peer not checked for that long (back from an exclusion) waits for its read, as
+before."""
 ROSTER_TTL_S = 2.0
 """The gate reuses a roster it read from the DHT for this long, for a caller that first asked
 before that read began. An honest peer stores its certificate before it first asks anything, so
@@ -439,12 +441,22 @@ class MemberGate:
                 self._first_asked.clear()
             roster = await self._read_roster(dht, self._first_asked.setdefault(peer_id, now))
             cert = roster.of_peer(peer_id.to_base58()) if roster is not None else None
+            if roster is not None:
+                self._note(peer_id, cert, now)
             if cert is None:
                 return None
             self._first_asked.pop(peer_id, None)
             member, key = cert.member, cert.public_key
-            self._verified[peer_id] = (now + PROOF_TTL_S, member, key)
         return member, key
+
+    def _note(self, peer_id: PeerID, cert: Certificate | None, asked: float) -> None:
+        """Record a check of `peer_id` against a roster read at `asked` or later: trusted for
+        PROOF_TTL_S from then where `cert` names it; else refused until checked anew, its member
+        still known to ban() (its other peer IDs follow a ban)."""
+        if cert is not None:
+            self._verified[peer_id] = (asked + PROOF_TTL_S, cert.member, cert.public_key)
+        elif peer_id in self._verified:
+            self._verified[peer_id] = (-math.inf, self._verified[peer_id][1], "")
 
     def _renew_later(self, dht: Any, peer_id: PeerID, expired: float) -> None:
         """Check `peer_id` again, in the background, against a roster read since its check
@@ -454,15 +466,13 @@ class MemberGate:
             return
 
         async def renew() -> None:
+            asked = time.monotonic()
             roster = await self._read_roster(dht, expired)
             if roster is None:  # the DHT did not answer: the grace runs on
                 return
-            cert = roster.of_peer(peer_id.to_base58())
-            if cert is None:
-                self._verified.pop(peer_id, None)
-            else:
-                renewed = time.monotonic() + PROOF_TTL_S
-                self._verified[peer_id] = (renewed, cert.member, cert.public_key)
+            if self._verified.get(peer_id, (None,))[0] != expired:
+                return  # a check since (a read on the path, past the grace) has the last word
+            self._note(peer_id, roster.of_peer(peer_id.to_base58()), asked)
 
         self._renewing[peer_id] = asyncio.ensure_future(renew())
         if len(self._renewing) >= SEEN_KEPT:
