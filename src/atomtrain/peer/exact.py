@@ -19,11 +19,8 @@ half times the lag it declares, its longest recent step where rounds write their
 the first step past their slot, capped at 4 times the group's median lag; in 60 clean rounds of
 bench attack every member's first part came within 0.65 s of this member's start), or has sent
 nothing by the sender timeout (its span will have no average) ends it there rather than at the
-reducer timeout; so does a reducer that fails this member's span (one that ended its own round
-early, hung up, or answered anything but averages) while another has sent it no average yet,
-once this member has reduced its own span for the others. A round that looked for its group
-when it was due then looks for another within the round's time; a round prepared for a slot
-fails, and the next slot comes.
+reducer timeout. A round that looked for its group when it was due then looks for another within
+the round's time; a round prepared for a slot fails, and the next slot comes.
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
 of its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout;
@@ -333,7 +330,6 @@ class ExactAverageRunner(CountedRunner):
             except AllreduceException as e:
                 if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                     self._not_in_group.add(peer_id)
-                await self._end_if_waiting_on_silence(peer_id, e)
                 raise
         # our own span: the average through the codec the others receive it in
         container = self.tensor_part_container
@@ -350,34 +346,6 @@ class ExactAverageRunner(CountedRunner):
             container.register_processed_part(
                 peer_index, part_index, deserialize_torch_tensor(wire)
             )
-
-    async def _end_if_waiting_on_silence(self, failed: Any, error: Exception) -> None:
-        """A reducer failed this member's span (its own part stands there), so this round is
-        lost here. Where another reducer has sent this member no average yet, the round ends
-        (end_early) rather than wait that one out: a member whose reducers had ended at the
-        sender timeout waited 5 s more for a frozen leader's averages, and the others' next
-        group of three waited for it (bench attack's stall, 13.7 s). It first finishes
-        reducing its own span for the others, within the reducer timeout: their round may
-        still land. Where every other reducer has delivered, the round runs to its end as
-        before, its audit verdicts and agreement readings counted (a colluder that fails one
-        member's span does not spare a liar that member's audit)."""
-        silent = [
-            p
-            for p in self._reducing(list(self.ordered_peer_ids))
-            if p not in (failed, self.peer_id) and p not in self._delivered
-        ]
-        if not silent or self._future.done():
-            return
-        deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
-        try:
-            left = max(deadline - time.monotonic(), 0.0)
-            await asyncio.wait_for(self.tensor_part_reducer.finished.wait(), left)
-        except asyncio.TimeoutError:
-            pass
-        self.end_early(
-            f"{_names([failed])} failed this member's span ({error}); "
-            f"{_names(silent)} sent no average yet"
-        )
 
     def _own_input(self, part_index: int, part: Any, info: Any) -> Any:
         """What this member reduces as its own part of its span (audit.py: through the codec)."""
