@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -47,17 +48,23 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
 
 
 def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`atomtrain ARGS` in a child process, as a user would run it."""
+    """`atomtrain ARGS` in a child process, as a user would run it. Its output goes to files and
+    its exit is waited for, not the end of its output: a helper the child's torch starts
+    (torch_shm_manager) holds a pipe open 2-3 s after the child has exited."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return subprocess.run(
-        [sys.executable, "-m", "atomtrain.cli.main", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    argv = [sys.executable, "-m", "atomtrain.cli.main", *args]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, proc.returncode, out.read(), err.read())
 
 
 TINY = [

@@ -186,6 +186,7 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
     """Three averager processes (two honest, peer 2 poisoned), three rounds each."""
     tmp_path = tmp_path / f"{attack}-{'defended' if defend else 'undefended'}"
     tmp_path.mkdir()
+    logs = [open(tmp_path / f"log{i}.txt", "w") for i in range(3)]  # noqa: SIM115 (closed below)
     procs = [
         subprocess.Popen(
             [
@@ -196,34 +197,36 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
                 "1" if defend else "0",
                 str(tmp_path),
             ],
-            stdout=subprocess.PIPE,
+            stdout=logs[i],
             stderr=subprocess.STDOUT,
-            text=True,
             start_new_session=True,
         )
         for i in range(3)
     ]
     # start-up may take the barrier's 120 s on a loaded machine, then 3 rounds; the deadline is
-    # under pytest's own timeout (300 s), so a hung peer's log still reaches the report
+    # under pytest's own timeout (300 s), so a hung peer's log still reaches the report. Each
+    # peer's exit is waited for, not the end of its output: a pipe stayed open about 3 s more
+    # per run after every peer had shut down, held by what its helpers had started
     deadline = time.monotonic() + 240
     try:
-        outs = []
-        for p in procs:
+        for i, p in enumerate(procs):
             try:
-                out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+                p.wait(timeout=max(deadline - time.monotonic(), 1))
             except subprocess.TimeoutExpired:
                 p.kill()
-                out, _ = p.communicate()
-                out += "\n[killed: past the test's 240 s deadline]"
-            outs.append(out)
-        for i, out in enumerate(outs):
-            (tmp_path / f"log{i}.txt").write_text(out)  # for a failing test's post-mortem
+                p.wait()
+                logs[i].write("\n[killed: past the test's 240 s deadline]")
+        for log in logs:
+            log.close()
         failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-        assert not failed, "\n".join(f"--- peer {i} ---\n{outs[i][-3000:]}" for i in failed)
+        tails = {i: (tmp_path / f"log{i}.txt").read_text()[-3000:] for i in failed}
+        assert not failed, "\n".join(f"--- peer {i} ---\n{tails[i]}" for i in failed)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        for log in logs:
+            log.close()
     return {i: torch.load(tmp_path / f"out{i}.pt") for i in range(2)}
 
 
