@@ -8,14 +8,13 @@ import secrets
 import subprocess
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from hivemind import DHT
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 from hivemind.utils.timed_storage import get_dht_time
 
@@ -45,7 +44,6 @@ from atomtrain.peer.exclusion import (
     FORGIVE_ROUNDS,
     OPPOSED_EXCLUSION_ROUNDS,
     exclusion_rounds,
-    skip_in_searches,
     stalls_remembered,
 )
 from atomtrain.peer.guarded import GuardedAverager
@@ -456,32 +454,6 @@ def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: P
         assert torch.allclose(last["delta"], honest_mean(), atol=1e-6)
         assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
         assert not out["rejected"]  # left out for a while, not banned for good
-
-
-async def skipped(peer_id: PeerID, _dht: DHT, node) -> tuple[bool, bool]:
-    """In the DHT's process: whether its searches skip `peer_id`'s node, and whether that node
-    is still in its routing table (skipped for a while, not forgotten)."""
-    return peer_id in node.blacklist, peer_id in node.protocol.routing_table.peer_id_to_uid
-
-
-def test_a_member_named_silent_is_skipped_by_this_peers_dht_searches_for_a_while():
-    """What a silent member's DHT node costs the stalled round's retries (exclusion.py): once
-    named, this peer's DHT searches skip it, as hivemind's own blacklist does after a search
-    waited for it in vain; the node stays known."""
-    here = DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    there = DHT(
-        initial_peers=[str(a) for a in here.get_visible_maddrs()],
-        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        start=True,
-    )
-    try:
-        assert here.run_coroutine(partial(skipped, there.peer_id)) == (False, True)
-        here.run_coroutine(partial(skip_in_searches, there.peer_id))
-        assert here.run_coroutine(partial(skipped, there.peer_id)) == (True, True)
-        assert here.get("anything", latest=True) is None  # searches go on without it
-    finally:
-        there.shutdown()
-        here.shutdown()
 
 
 def test_a_silent_leader_is_named_alone_for_its_groups_silence():

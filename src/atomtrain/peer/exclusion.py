@@ -6,13 +6,10 @@ times the others', can look like a staller. A member is left out `STALL_ROUNDS` 
 time, twice as many at each repeat, one repeat forgiven every `FORGIVE_ROUNDS` quiet rounds; one
 whose update opposed this peer's own in `OPPOSED_ROUNDS` of its last `OPPOSED_WITHIN` rounds
 (`OPPOSED_COSINE`) is left out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather
-than a failure's. The averager keeps the counts (guarded.py). A member that went silent is also
-skipped by this peer's DHT searches for a while (`skip_in_searches`).
+than a failure's. The averager keeps the counts (guarded.py).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
@@ -53,13 +50,3 @@ def exclusion_rounds(stalls: int, first: int = STALL_ROUNDS) -> int:
 def stalls_remembered(stalls: int, rounds_since: int) -> int:
     """A member's stalls still counted `rounds_since` rounds after its last one."""
     return max(stalls - max(rounds_since, 0) // FORGIVE_ROUNDS, 0)
-
-
-async def skip_in_searches(peer_id: Any, _dht: Any, node: Any) -> None:
-    """Run in the DHT's process (`DHT.run_coroutine`) when a member of a round's group went
-    silent: its node counts as one that failed to answer, so searches skip it for hivemind's
-    blacklist time (5 s, doubled at each further failure; an answer clears it). A stalled
-    member's DHT node answered no search either, though only its averager was frozen (bench
-    attack's stall, hivemind's debug log: "failed to find at" the staller), and each retry of the
-    stalled round waited up to the DHT's 3 s for it before hivemind blacklisted it itself."""
-    node.blacklist.register_failure(peer_id)

@@ -27,11 +27,9 @@ that member's parts): there a banned reducer's averages are only bounded, not ch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from dataclasses import replace
-from functools import partial
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
 from typing import Any, AsyncIterator  # noqa: UP035
@@ -58,7 +56,6 @@ from atomtrain.peer.exclusion import (
     OPPOSED_WITHIN,
     STALL_ROUNDS,
     exclusion_rounds,
-    skip_in_searches,
     stalls_remembered,
 )
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
@@ -168,14 +165,6 @@ class GuardedAverager(DecentralizedAverager):
         rounds = exclusion_rounds(times, first)
         self._stalls[peer_id] = (times, self._rounds, rounds)
         self._stalled[peer_id] = 1 + rounds
-
-    def _silent(self, peer_id: PeerID, why: str) -> None:
-        """A member of this round's group sent nothing in time (exact.py): left out of the next
-        rounds, and skipped by this peer's DHT searches for a while (skip_in_searches)."""
-        if not self._excluded(peer_id):
-            with contextlib.suppress(Exception):  # a DHT shutting down: the exclusion still holds
-                self.dht.run_coroutine(partial(skip_in_searches, peer_id), return_future=True)
-        self._stall(peer_id, why)
 
     def _agreement(self, peer_id: PeerID, cosine: float) -> None:
         """A member whose update opposed this peer's (robust.RobustRunner measures it in the
@@ -518,7 +507,7 @@ class GuardedAverager(DecentralizedAverager):
         if self._defence is not None:
             runner_type = AuditedRunner if self._defence.audit else RobustRunner
             extra = self._robust_arguments(group_info, self._defence)
-            extra["on_stall"] = self._silent
+            extra["on_stall"] = self._stall
             if self._attack == "lying_auditor":  # bench attack only
                 extra["slander"] = SLANDER
         elif self._attack == "lying_reducer":  # bench attack only: it lies in undefended swarms too
