@@ -58,9 +58,13 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.Completed
         proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=err)
         try:
             proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException as e:  # pytest's own timeout too: no CLI left running after it
             proc.kill()
             proc.wait()
+            if isinstance(e, subprocess.TimeoutExpired):  # with what it printed, as run() gives
+                out.seek(0)
+                err.seek(0)
+                e.stdout, e.stderr = out.read(), err.read()
             raise
         out.seek(0)
         err.seek(0)

@@ -186,29 +186,30 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
     """Three averager processes (two honest, peer 2 poisoned), three rounds each."""
     tmp_path = tmp_path / f"{attack}-{'defended' if defend else 'undefended'}"
     tmp_path.mkdir()
-    logs = [open(tmp_path / f"log{i}.txt", "w") for i in range(3)]  # noqa: SIM115 (closed below)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "peer_attack_harness.py"),
-                str(i),
-                attack,
-                "1" if defend else "0",
-                str(tmp_path),
-            ],
-            stdout=logs[i],
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for i in range(3)
-    ]
+    logs, procs = [], []
     # start-up may take the barrier's 120 s on a loaded machine, then 3 rounds; the deadline is
     # under pytest's own timeout (300 s), so a hung peer's log still reaches the report. Each
     # peer's exit is waited for, not the end of its output: a pipe stayed open about 3 s more
     # per run after every peer had shut down, held by what its helpers had started
     deadline = time.monotonic() + 240
     try:
+        for i in range(3):
+            logs.append(open(tmp_path / f"log{i}.txt", "w"))  # noqa: SIM115 (closed below)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(HERE / "peer_attack_harness.py"),
+                        str(i),
+                        attack,
+                        "1" if defend else "0",
+                        str(tmp_path),
+                    ],
+                    stdout=logs[i],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         for i, p in enumerate(procs):
             try:
                 p.wait(timeout=max(deadline - time.monotonic(), 1))
@@ -614,9 +615,9 @@ def test_a_staller_that_leads_and_tells_one_member_is_the_only_one_named(tmp_pat
     told. No honest peer is named, and the two average together: every round that lands is the
     pair's. (The member never told answers, once its wait for the leader ends, that it is not in
     the group, so here it was not named even before exact.silent_members; a CI run, the staller
-    frozen as it led, named it.) Which rounds land is not asked: each lands here, its retry within
-    the round finding the pair, but in a CI run on a loaded machine the last one ran out of time
-    (2026-12-04), so at least one must."""
+    frozen as it led, named it.) Each round lands here, its retry within the round finding the
+    pair, but in a CI run on a loaded machine the last one ran out of time (2026-12-04): so one of
+    the two rounds after the first stall must land, not the last."""
     outs = run_round(tmp_path, "stall_leader", defend=True)
     logs = [(tmp_path / "stall_leader-defended" / f"log{i}.txt").read_text() for i in range(3)]
     ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
@@ -626,7 +627,8 @@ def test_a_staller_that_leads_and_tells_one_member_is_the_only_one_named(tmp_pat
         assert not out["rejected"]
         seen = [(r["failed"], r.get("group"), r.get("why")) for r in out["rounds"]]
         landed = [r for r in out["rounds"] if not r["failed"]]
-        assert landed and all(r["group"] == 2 for r in landed), (seen, ids)
+        assert any(not r["failed"] for r in out["rounds"][1:]), (seen, ids)  # they recovered
+        assert all(r["group"] == 2 for r in landed), (seen, ids)
         for r in landed:
             assert torch.allclose(r["delta"], honest_mean(), atol=1e-6), seen
     named = [name for out in outs.values() for name, _ in out["stalled"]]
