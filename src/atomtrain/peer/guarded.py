@@ -228,7 +228,8 @@ class GuardedAverager(DecentralizedAverager):
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
         self._heard_of(first.group_id).add(context.remote_id)
-        if not await self._group_started(first.group_id):
+        group = await self._group_runner(first.group_id)
+        if group is None or group.over:  # not in it, or its round of it is over
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         runner = self._audits.get(first.group_id) if refused else None
@@ -238,8 +239,11 @@ class GuardedAverager(DecentralizedAverager):
             # anyone else this one refuses stays refused
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        # the reducer's side of this member's traffic: parts in, averages out
-        async for message in super().rpc_aggregate_part(
+        # the reducer's side of this member's traffic: parts in, averages out. (To the group's
+        # runner itself: hivemind's handler looks the group up again, and where its round had
+        # ended meanwhile it waited for this member's next group to answer. A member that asked
+        # as its own round ended early waited past the reducer timeout, and named this one.)
+        async for message in group.rpc_aggregate_part(
             self._traffic.count(RECEIVED, achain(as_aiter(first), stream)), context
         ):
             self._traffic.add(SENT, message)
@@ -252,13 +256,14 @@ class GuardedAverager(DecentralizedAverager):
         keep_latest(self._heard, HEARD_KEPT)
         return self._heard.get(group_id, heard)
 
-    async def _group_started(self, group_id: bytes) -> bool:
-        """Wait until this member runs the group's all-reduce (or never will:
+    async def _group_runner(self, group_id: bytes) -> Any:
+        """The group's all-reduce (exact.ExactAverageRunner), once this member runs it; None:
+        it will not. Waits until this member starts it (or never will:
         _aggregate_with_group cancels it), shielded: hivemind's handler awaits the group's
         future itself, and a sender that gives up its request (a member whose round failed, or
         one that hangs up on purpose) cancelled the task and with it that future. This member
         then could not start its all-reduce at all, and the honest members it left waiting
-        excluded it as a staller. False: it will not run it.
+        excluded it as a staller.
 
         A group this member is not in, and can no longer join, is refused at once: it did not
         assemble this group, and it has no join request out to a leader (one it has out may be
@@ -271,24 +276,23 @@ class GuardedAverager(DecentralizedAverager):
         attack, 4 peers on 2 cores: an honest peer left out, its partners' next rounds short of
         the quorum). A group this member already ran is refused at once too: a member whose
         round ended early asks whether this one is in it before naming it a staller
-        (exact.py, _answers), and an answer held while this one looks for its next group named
+        (exact.py, _ask_for_span), and an answer held while this one looks for its next group named
         it."""
         while group_id not in self._running_groups:
             if group_id in self._ran:  # over (its round ended early, say): not looking for it
-                return False
+                return None
             matchmaking = getattr(self, "_matchmaking", None)
             looking = matchmaking is not None and matchmaking.is_looking_for_group
             if group_id not in self._assembled and not (looking and self._asking):
-                return False
+                return None
             await asyncio.sleep(0.05)
         started = self._running_groups[group_id]
         try:
-            await asyncio.shield(started)
+            return await asyncio.shield(started)
         except asyncio.CancelledError:
             if not started.cancelled():
                 raise  # this request itself was cancelled: its sender hung up
-            return False
-        return True
+            return None
 
     async def rpc_audit_parts(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -328,7 +332,7 @@ class GuardedAverager(DecentralizedAverager):
         runner = self._audits.get(group_id)
         if runner is None:
             try:
-                if await asyncio.wait_for(self._group_started(group_id), self._window_s):
+                if await asyncio.wait_for(self._group_runner(group_id), self._window_s):
                     runner = self._audits.get(group_id)
             except asyncio.TimeoutError:
                 return None
