@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hivemind import DHT
-from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 from hivemind.utils.timed_storage import get_dht_time
@@ -35,7 +34,6 @@ from atomtrain.peer.averaging import ProbedAverager
 from atomtrain.peer.bounds import Defence, equal_weights
 from atomtrain.peer.exact import (
     LAG_CAP,
-    NOT_IN_GROUP,
     START_FLOOR_S,
     START_LAGS,
     ExactAverageRunner,
@@ -469,9 +467,8 @@ def test_a_member_that_freezes_mid_stream_is_named_and_its_round_ends_at_the_sen
     outs = run_round(tmp_path, "stall_midway", defend=True)
     logs = [(tmp_path / "stall_midway-defended" / f"log{i}.txt").read_text() for i in range(3)]
     ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
-    # the first honest peer whose stream from it times out ends the round; the other may end it
-    # as that one hangs up (its span failed), before its own timeout
-    assert any("went silent mid-round); looking for another group" in log for log in logs), logs
+    for log in logs[:2]:
+        assert "went silent mid-round); looking for another group" in log, log[-3000:]
     for out in outs.values():
         assert sum(r["failed"] for r in out["rounds"]) <= 1, (out["rounds"], ids)
         last = out["rounds"][-1]
@@ -664,60 +661,6 @@ def test_a_round_ends_at_the_start_timeout_where_a_reducer_never_opened_its_stre
     assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
     waited, why = start_waited(opened="b", since=0.05)  # a stream from the group before
     assert waited < 0.4 and why.startswith("b opened no stream"), (waited, why)
-
-
-def reducer_failed(monkeypatch, error: Exception) -> tuple[str, set[str], list[str]]:
-    """A runner of members me, a, b (every member sent this one its parts; a's span is the one
-    that fails with `error`, hivemind's exchange with it raising it; b's averages are still to
-    come): how the round ended, who answered they are not in the group, and who was named by the
-    reducer timeout."""
-
-    async def failing(self, peer_id):
-        raise error
-
-    monkeypatch.setattr(AllReduceRunner, "_communicate_with_peer", failing)
-
-    async def scenario() -> tuple[str, set[str], list[str]]:
-        runner = ExactAverageRunner.__new__(ExactAverageRunner)
-        named: list[str] = []
-        runner.peer_id, runner._leader, runner.group_id = "me", None, b"g"
-        runner.ordered_peer_ids = runner.sender_peer_ids = ["me", "a", "b"]
-        runner.active_senders, runner.banned_senders = {"me", "a", "b"}, set()
-        runner.tensor_part_reducer = SimpleNamespace(num_parts=1, num_parts_received=[1, 1, 1])
-        runner._delivered, runner._not_in_group = set(), set()
-        runner._unheard, runner._heard_late = set(), set()
-        runner.sender_timeout, runner.reducer_timeout = 0.1, 0.2
-        runner._started = time.monotonic()
-        runner._on_stall = lambda peer_id, why: named.append(peer_id)
-        runner._future = asyncio.get_running_loop().create_future()
-        runner.finalize = lambda exception=None: runner._future.set_exception(exception)
-        with pytest.raises(type(error)):
-            await runner._communicate_with_peer("a")
-        why = str(runner._future.exception()) if runner._future.done() else "not ended"
-        await asyncio.sleep(0.3)
-        return why, runner._not_in_group, named
-
-    return asyncio.run(scenario())
-
-
-def test_a_round_ends_as_soon_as_a_reducers_span_fails(monkeypatch):
-    """A reducer whose span failed leaves this member's own part there, which the probes
-    discard: the round ends at once, not when b's averages come or time out (bench attack: a
-    staller that had sent one member a part and froze kept it waiting to the reducer timeout
-    while the others, who had heard nothing from it, ended at the sender timeout, hung up on it
-    and looked for a group without it). No one is named for the failure itself: every member
-    had sent its parts."""
-    why, not_in_group, named = reducer_failed(
-        monkeypatch, AllreduceException("peer a sent 1 parts, but we expected 2")
-    )
-    assert why == "the span of a failed: peer a sent 1 parts, but we expected 2", why
-    assert not_in_group == set() and named == []
-    why, not_in_group, named = reducer_failed(monkeypatch, AllreduceException(f"a{NOT_IN_GROUP}"))
-    assert why.startswith("the span of a failed") and not_in_group == {"a"} and named == []
-    why, _, named = reducer_failed(
-        monkeypatch, ConnectionResetError("stream reset")
-    )  # hung up: the same
-    assert why == "the span of a failed: stream reset" and named == []
 
 
 def test_each_members_start_timeout_follows_its_declared_lag_within_the_groups_cap():

@@ -20,11 +20,11 @@ the first step past their slot, capped at 4 times the group's median lag; in 60 
 bench attack every member's first part came within 0.65 s of this member's start), or has sent
 nothing by the sender timeout (its span will have no average) ends it there rather than at the
 reducer timeout. So does such a member whose stream of parts goes silent mid-way for the sender
-timeout (went_silent: frozen or gone, its averages will not come), and a reducer's failure (its
-span will hold this member's own part: a member that ended its round early hung up on the others,
-and they end theirs with it, not each at its own timeout). A round that looked for its group when
-it was due then looks for another within the round's time; a round prepared for a slot fails,
-and the next slot comes.
+timeout (went_silent: frozen or gone, its averages will not come). A round that looked for its
+group when it was due then looks for another within the round's time; a round prepared for a
+slot fails, and the next slot comes. (Not on a reducer's failure alone, tried twice: one
+member's dropped stream then ended the whole group's round where the others could have landed
+it, and it did not make stalls cheaper, robustness-history.md.)
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
 of its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout;
@@ -384,15 +384,9 @@ class ExactAverageRunner(CountedRunner):
                 # staller's verdicts: a stalled round took 15 s of the bench's 15, not 10)
                 self.finalize(exception=AllreduceException(f"{peer_id} sent no averages in time"))
                 raise
-            except Exception as e:
+            except AllreduceException as e:
                 if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                     self._not_in_group.add(peer_id)
-                # its span holds our own part, not an average: the round is lost (the probes
-                # discard it), so it ends now, with the member that failed, not when the spans
-                # before it have their averages (bench attack: a staller that had sent this
-                # member one part and froze kept it waiting to the reducer timeout, 10 s, while
-                # the others had ended at the sender timeout and looked for a group without it)
-                self.end_early(f"the span of {_names([peer_id])} failed: {e}")
                 raise
         # our own span: the average through the codec the others receive it in
         container = self.tensor_part_container
