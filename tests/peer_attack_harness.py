@@ -20,14 +20,11 @@ every round (the others start theirs a second later), so peer 0 finds in its gro
 banned, taken in by a third party. With `stall_leader`, peer 2 starts each round first (so it
 leads), tells only the first follower of its group, never runs its all-reduce, and is frozen as
 `stall` is soon after: the member told waits for the other honest one, which, never told, sent
-nothing either (stall_leader_patches). With `stall_midway`, peer 2 sends each other reducer the
-first part of its stream (that span's probe), then its averager freezes itself, mid-stream, and
-is thawed as `stall` is (stall_midway_patches).
+nothing either (stall_leader_patches).
 """
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -35,7 +32,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads stream handlers from typing's)
+from typing import AsyncIterator  # noqa: UP035 (hivemind reads stream handlers from typing's)
 
 import torch
 from hivemind import DHT
@@ -117,12 +114,10 @@ def stalled_round(
     frozen_s: float,
     honest_done: Callable[[], bool],
     after_s: float = 0.0,
-    itself: bool = False,
 ) -> bool:
     """Join a group, then go silent: the averager's process frozen for `frozen_s`, `after_s`
-    after the group was found (`itself`: as it freezes itself, stall_midway_patches). False: it
-    found no group (left out by both honest peers, it stops looking once they have ended their
-    round), and so froze nothing."""
+    after the group was found. False: it found no group (left out by both honest peers, it stops
+    looking once they have ended their round), and so froze nothing."""
     avg.start(
         lambda piece, out: out.copy_(delta[piece.offset : piece.offset + piece.numel]),
         1.0,
@@ -141,12 +136,9 @@ def stalled_round(
             return False
         time.sleep(0.01)
     froze = avg.group_found() and not avg.done()
-    if froze and itself:
-        froze = frozen_by_itself(avg.averager.pid, deadline)
-    elif froze:
+    if froze:
         time.sleep(after_s)
         os.kill(avg.averager.pid, signal.SIGSTOP)
-    if froze:
         time.sleep(frozen_s)
         os.kill(avg.averager.pid, signal.SIGCONT)
     while not avg.done():
@@ -154,49 +146,6 @@ def stalled_round(
     with contextlib.suppress(RoundFailed):
         avg.result()
     return froze
-
-
-def frozen_by_itself(pid: int, deadline: float) -> bool:
-    """Wait until process `pid` has stopped itself (False: not by `deadline`)."""
-    while time.time() < deadline:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        if state == "T":
-            return True
-        time.sleep(0.01)
-    return False
-
-
-def stall_midway_patches() -> None:
-    """`stall_midway`'s averager (forked from this process): it sends each other reducer of its
-    group the first part of its stream (the probe in front of that member's span), waits for
-    those to reach them, and freezes its own process (SIGSTOP) mid-stream; its main process
-    thaws it (stalled_round)."""
-    runner = audit.AuditedRunner
-    generate = runner._generate_input_for_peer
-
-    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
-        sent = self.__dict__.setdefault("_first_parts_sent", set())
-        reducers = {
-            i
-            for i, parts in enumerate(self.tensor_part_container.num_parts_by_peer)
-            if parts and self.ordered_peer_ids[i] != self.peer_id
-        }
-        async for message in generate(self, peer_index):
-            yield message  # (resumed once it is written)
-            sent.add(peer_index)
-            while not reducers <= sent:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.5)
-            if not self.__dict__.setdefault("_froze", False):  # (once: its main thaws it once)
-                self._froze = True
-                os.kill(os.getpid(), signal.SIGSTOP)
-                await asyncio.sleep(0.1)  # (the stop reaches every thread)
-                self._thawed = True
-            while not self.__dict__.get("_thawed"):  # no stream ends before the freeze
-                await asyncio.sleep(0.05)
-            return  # (thawed) never sends the rest
-
-    runner._generate_input_for_peer = _generate_input_for_peer
 
 
 ANNOUNCED_S = 0.5
@@ -241,8 +190,6 @@ def main() -> None:
         sys.argv[3] == "1",
         Path(sys.argv[4]),
     )
-    logging.basicConfig(format="%(name)s: %(message)s")  # how a round ended (stall_midway's test)
-    logging.getLogger("atomtrain.peer.exact").setLevel(logging.INFO)
     addr_file = work / "addr"
     initial = []
     if index > 0:
@@ -275,8 +222,6 @@ def main() -> None:
         audit.AuditedRunner._combined = forged
     if attack == "stall_leader" and index == 2:
         stall_leader_patches()
-    if attack == "stall_midway" and index == 2:
-        stall_midway_patches()
     gate = MemberGate(KEY, "atk")
     if attack == "banned_by_0":
         if index == 2:
@@ -296,7 +241,6 @@ def main() -> None:
             "late": 2 * TIMEOUT_S,
             "stall": STALL_TIMEOUT_S,
             "stall_leader": STALL_TIMEOUT_S,
-            "stall_midway": STALL_TIMEOUT_S,
             "forge_gather": FORGE_TIMEOUT_S,
         }.get(attack, TIMEOUT_S),
         8,
@@ -327,16 +271,15 @@ def main() -> None:
             if stalled_round(avg, delta, STALL_FROZEN_S, done, ANNOUNCED_S):
                 (work / f"froze{r}").touch()
             continue
-        if index == 2 and attack in ("stall", "stall_midway", "late"):
-            if attack != "late":
+        if index == 2 and attack in ("stall", "late"):
+            if attack == "stall":
                 # an honest peer's round is scheduled first, so it leads: a staller that leads
                 # and freezes while announcing its group tells one honest member and not the
                 # other, which then blame each other (a CI run, 2026-12-03: peer 1 left peer 0
                 # out for 2 rounds). That is open (issue 12); this test is the member that stalls
                 time.sleep(1.0)
-            frozen_s = SLOW_START_S if attack == "late" else STALL_FROZEN_S
-            done, itself = partial(honest_done, work, r), attack == "stall_midway"
-            if stalled_round(avg, delta, frozen_s, done, itself=itself):
+            frozen_s = STALL_FROZEN_S if attack == "stall" else SLOW_START_S
+            if stalled_round(avg, delta, frozen_s, partial(honest_done, work, r)):
                 (work / f"froze{r}").touch()  # in a group: the round it was meant to slow
             continue
         # peer 2, refused by peers that banned or left it out, would go on asking until its

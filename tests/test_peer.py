@@ -260,25 +260,27 @@ def test_ctrl_c_stops_a_swarm_peer_with_a_checkpoint(tmp_path: Path, prepared: P
         "--train.checkpoint_interval=1000000", "--peer.final_wait_s=1",
         f"--run.out_dir={tmp_path / 'runs'}", "--run.name=p",
     ]  # fmt: skip
-    peer = subprocess.Popen(
-        argv,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # as a background job
-    )
+    log = tmp_path / "peer.log"  # (its exit is waited for, not the end of its output: conftest)
+    with open(log, "w") as out_file:
+        peer = subprocess.Popen(
+            argv,
+            cwd=tmp_path,
+            stdout=out_file,
+            stderr=subprocess.STDOUT,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # a background job
+        )
     try:
         deadline = time.time() + 120
         metrics = tmp_path / "runs" / "p" / "metrics.jsonl"
         while time.time() < deadline and not any("round" in r for r in read_metrics(metrics)):
-            assert peer.poll() is None, peer.communicate()[0][-2000:]
+            assert peer.poll() is None, log.read_text()[-2000:]
             time.sleep(0.5)  # the averager is up once steps report their round
         peer.send_signal(signal.SIGINT)
-        out, _ = peer.communicate(timeout=90)
+        peer.wait(timeout=90)
     finally:
         if peer.poll() is None:
             peer.kill()
+    out = log.read_text()
     assert peer.returncode == 130, out[-2000:]  # stopped by Ctrl-C, as a shell reports it
     assert "stopped early; continue with" in out
     assert latest_checkpoint(tmp_path / "runs" / "p") is not None

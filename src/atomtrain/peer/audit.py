@@ -157,13 +157,6 @@ class AuditedRunner(RobustRunner):
 
     # --- as a sender --------------------------------------------------------------------------
 
-    def _owes(self, peer_id: Any) -> bool:
-        """A member that reduces a span audits one, and its verdict is asked for after the
-        all-reduce: one frozen mid-round will not give it (the round failed waiting for it),
-        even where its own span's averages all came."""
-        index = self.ordered_peer_ids.index(peer_id)
-        return bool(self.tensor_part_container.num_parts_by_peer[index])
-
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
         async for message in super()._generate_input_for_peer(peer_index):
             self._sent[peer_index].append(part_hash(message.tensor_part))

@@ -19,19 +19,13 @@ half times the lag it declares, its longest recent step where rounds write their
 the first step past their slot, capped at 4 times the group's median lag; in 60 clean rounds of
 bench attack every member's first part came within 0.65 s of this member's start), or has sent
 nothing by the sender timeout (its span will have no average) ends it there rather than at the
-reducer timeout. So does such a member whose stream of parts goes silent mid-way for the sender
-timeout (went_silent: frozen or gone, its averages will not come). A round that looked for its
-group when it was due then looks for another within the round's time; a round prepared for a
-slot fails, and the next slot comes. (Not on a reducer's failure alone, tried twice: one
-member's dropped stream then ended the whole group's round where the others could have landed
-it, and it did not make stalls cheaper, robustness-history.md.)
+reducer timeout. A round that looked for its group when it was due then looks for another within
+the round's time; a round prepared for a slot fails, and the next slot comes.
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
 of its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout;
 where the round ended early, parts that came after it still count as sent), or a reducer that
-sent no averages within the reducer timeout, or one that sent some of its parts, not all, and,
-asked for its span as the round ended early, answered nothing by the reducer timeout (frozen
-mid-stream). (A member that crashed looks the same; the
+sent no averages within the reducer timeout. (A member that crashed looks the same; the
 averager excludes either for a while.) Where the group's leader sent nothing
 either, only the leader is named: it may never have told the others (silent_members). A reducer
 is not named for late averages in a round where another member sent this one nothing: it may
@@ -137,7 +131,6 @@ class ExactAverageRunner(CountedRunner):
             for p in self.sender_peer_ids
         ]
         self._delivered: set[Any] = set()  # reducers that sent this member any average
-        self._averages: dict[Any, int] = {}  # averages each reducer sent this member
         self._not_in_group: set[Any] = set()  # members that answered they are not in it
         self._started = time.monotonic()
         self._unheard: set[Any] = set()  # members that had sent nothing as it ended early
@@ -151,17 +144,15 @@ class ExactAverageRunner(CountedRunner):
         register = self.tensor_part_container.register_processed_part
 
         def registered(peer_index: int, part_index: int, part: Any) -> None:
-            reducer = self.ordered_peer_ids[peer_index]
-            self._delivered.add(reducer)
-            self._averages[reducer] = self._averages.get(reducer, 0) + 1
+            self._delivered.add(self.ordered_peer_ids[peer_index])
             register(peer_index, part_index, part)
 
         self.tensor_part_container.register_processed_part = registered
 
     @property
     def over(self) -> bool:
-        """This member's round of the group has ended (a part that comes now is not waited
-        for: guarded.py answers it is not in the group)."""
+        """This member's round of the group has ended: a part that comes now is not waited for
+        (guarded.py answers that this member is not in the group)."""
         return self._future.done()
 
     def _weighed(self, sender_index: int, part_index: int, part: Any, weight: float) -> Any:
@@ -261,98 +252,56 @@ class ExactAverageRunner(CountedRunner):
         started late loses a round it might have landed late, and is not named for it: members
         that have sent nothing yet are named only if, until the reducer timeout counted from this
         member's start, their parts never reach this member's averager (`heard`) and, asked for
-        their span, they do not say they are not in the group (`_ask_for_span`: an honest one
-        still looking for its group says so), as when the round ran there. Members that had sent
-        some of their parts and not all (`_sending`) are named only if, asked, they answer
-        nothing at all by then: frozen mid-stream, or gone (went_silent); an honest one whose
-        round ended, or that is still sending, answers at once."""
+        their span, they do not say they are not in the group (`_answers`: an honest one still
+        looking for its group says so), as when the round ran there."""
         if self._future.done():
             return
         log.info("a round ended early (%s); looking for another group if time allows", why)
         unheard = self._unheard_now()
         self._unheard = set(unheard)
         deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
-        self._verdict = asyncio.create_task(
-            self._name_if_silent(unheard, self._sending(), deadline)
-        )
+        self._verdict = asyncio.create_task(self._name_if_unheard(unheard, deadline))
         self.finalize(exception=AllreduceException(why))
-
-    def _sending(self) -> list[Any]:
-        """Other members that sent this member some of their parts of its span, not all."""
-        reducer = self.tensor_part_reducer
-        return [
-            peer_id
-            for peer_id, received in zip(
-                self.sender_peer_ids, reducer.num_parts_received, strict=True
-            )
-            if peer_id != self.peer_id
-            and peer_id in self.active_senders
-            and 0 < received < reducer.num_parts
-        ]
 
     def heard(self, peer_id: Any) -> None:
         """`peer_id` sent this member its parts of the round (perhaps after it ended)."""
         self._heard_late.add(peer_id)
 
-    def went_silent(self, peer_id: Any) -> None:
-        """`peer_id`'s stream of parts to this member went silent mid-way for the sender timeout
-        (hivemind leaves its later parts out). Where it reduces a span whose averages have not
-        all come, it is frozen or gone, and that span will have none: the round ends now, not
-        at the reducer timeout (bench attack: a staller frozen after sending each member a part
-        held its group 10 s, twice the sender timeout). It is named if it answers nothing when
-        asked for its span (end_early), here or where another member's loss ended the round
-        first."""
-        if peer_id != self.peer_id and self._owes(peer_id):
-            self.end_early(f"{_names([peer_id])} went silent mid-round")
-
-    def _owes(self, peer_id: Any) -> bool:
-        """Whether the round still waits for something of `peer_id`'s span: its averages (an
-        audited round: its verdict too, audit.py)."""
-        expected = self.tensor_part_container.num_parts_by_peer[
-            self.ordered_peer_ids.index(peer_id)
+    async def _name_if_unheard(self, unheard: list[Any], deadline: float) -> None:
+        answered = await asyncio.gather(*(self._answers(p, deadline) for p in unheard))
+        still = [
+            p
+            for p, answer in zip(unheard, answered, strict=True)
+            if not answer and p not in self._heard_late
         ]
-        return self._averages.get(peer_id, 0) < expected
+        for peer_id in silent_members(still, self._leader):
+            self._stalled(peer_id, "sent none of its parts")
 
-    async def _name_if_silent(self, unheard: list[Any], stopped: list[Any], deadline: float):
-        asked = [*unheard, *stopped]
-        codes = dict(
-            zip(
-                asked,
-                await asyncio.gather(*(self._ask_for_span(p, deadline) for p in asked)),
-                strict=True,
-            )
-        )
-        if any(codes[p] != averaging_pb2.BAD_GROUP_ID for p in unheard):
-            await asyncio.sleep(max(deadline - time.monotonic(), 0.0))  # their parts may come
-        why = {
-            p: "sent none of its parts"
-            for p in unheard
-            if codes[p] != averaging_pb2.BAD_GROUP_ID and p not in self._heard_late
-        }
-        why.update({p: "went silent mid-round" for p in stopped if codes[p] is None})
-        for peer_id in silent_members(list(why), self._leader):
-            self._stalled(peer_id, why[peer_id])
-
-    async def _ask_for_span(self, peer_id: Any, deadline: float) -> int | None:
-        """What `peer_id` first answers, before `deadline`, a request for its span of this
-        round (None: nothing). An honest member that missed its leader's word, or whose round of
-        this group ended, says it is not in the group (BAD_GROUP_ID: as `_not_in_group`, such a
-        member is not named); a staller that keeps its averager answering anything else but
-        sends nothing is still named."""
+    async def _answers(self, peer_id: Any, deadline: float) -> bool:
+        """Whether `peer_id` answers a request for its span of this round, before `deadline`,
+        that it is not in the group (an honest member that missed its leader's word says so once
+        it stops looking for a group: as `_not_in_group`, such a member is not named). Its parts
+        reaching this member meanwhile count too. Any other answer spares no one: a staller
+        that keeps its averager answering but sends nothing is still named."""
 
         async def ask() -> AsyncIterator[averaging_pb2.AveragingData]:
             yield averaging_pb2.AveragingData(
                 code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id
             )
 
-        async def answer() -> int:
+        async def answer() -> bool:
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(ask())
-            return int((await anext(stream)).code)
+            return (await anext(stream)).code == averaging_pb2.BAD_GROUP_ID
 
         try:
-            return await asyncio.wait_for(answer(), max(deadline - time.monotonic(), 0.01))
-        except Exception:  # no answer in time, unreachable, or hung up: silent
-            return None
+            if await asyncio.wait_for(answer(), max(deadline - time.monotonic(), 0.01)):
+                return True
+        except asyncio.TimeoutError:
+            return peer_id in self._heard_late
+        except Exception:  # unreachable or hung up: as silent as before
+            pass
+        await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+        return peer_id in self._heard_late
 
     def _waiting_for_a_staller(self, reducer: Any) -> bool:
         """Another member sent this one none of its parts: `reducer` may be waiting out its
@@ -444,9 +393,6 @@ class ExactAverageRunner(CountedRunner):
                 yield averaging_pb2.AveragingData(
                     code=averaging_pb2.AVERAGED_PART, tensor_part=serialized
                 )
-        except asyncio.TimeoutError:  # (hivemind's sender timeout, between two of its parts)
-            self.went_silent(self.sender_peer_ids[sender_index])
-            raise
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -276,7 +276,7 @@ class GuardedAverager(DecentralizedAverager):
         attack, 4 peers on 2 cores: an honest peer left out, its partners' next rounds short of
         the quorum). A group this member already ran is refused at once too: a member whose
         round ended early asks whether this one is in it before naming it a staller
-        (exact.py, _ask_for_span), and an answer held while this one looks for its next group named
+        (exact.py, _answers), and an answer held while this one looks for its next group named
         it."""
         while group_id not in self._running_groups:
             if group_id in self._ran:  # over (its round ended early, say): not looking for it
