@@ -46,7 +46,7 @@ from atomtrain.peer.exclusion import (
     exclusion_rounds,
     stalls_remembered,
 )
-from atomtrain.peer.guarded import GuardedAverager
+from atomtrain.peer.guarded import OPENED_KEPT, GuardedAverager
 from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.protocol import averaging_prefix, protocol_tag
 from atomtrain.peer.traffic import Traffic
@@ -722,6 +722,32 @@ def test_a_stream_of_parts_counts_as_opened_before_its_first_part_comes():
         return before, stamped
 
     assert asyncio.run(scenario()) == (False, True)
+
+
+def test_only_the_latest_callers_streams_are_remembered():
+    """Every caller's stream of parts is stamped before the gate (its parts may take a while):
+    callers the gate refuses, a new peer ID each, must not grow the stamps without bound, and
+    a member that opened a stream lately keeps its stamp however many came before."""
+
+    async def scenario() -> tuple[int, bool, bool]:
+        avg = handlers_alone()
+        avg._running_groups, avg._assembled, avg._ran = {}, set(), {}
+        avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
+
+        async def served(caller: str) -> None:
+            async def part():
+                yield averaging_pb2.AveragingData(group_id=b"none", weight=1.0)
+
+            [m async for m in avg.rpc_aggregate_part(part(), SimpleNamespace(remote_id=caller))]
+
+        await served("member")
+        for i in range(OPENED_KEPT):
+            await served(f"intruder{i}")
+            if i == OPENED_KEPT // 2:
+                await served("member")  # it opens another stream meanwhile
+        return len(avg._opened), "member" in avg._opened, "intruder0" in avg._opened
+
+    assert asyncio.run(scenario()) == (OPENED_KEPT, True, False)
 
 
 def test_a_member_that_hangs_up_its_parts_cannot_cancel_the_others_all_reduce():

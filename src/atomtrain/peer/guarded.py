@@ -71,6 +71,10 @@ malformed metadata; no certificate this peer could read names a member."""
 HEARD_KEPT = 64
 """Groups whose senders a member remembers (exact.py, end_early: parts that came before it
 started a group, or after its round ended early, name no staller)."""
+OPENED_KEPT = 1024
+"""Peers whose latest stream of parts a member remembers (exact.py, _contacted: for the start
+timeout), most recent first: every caller is stamped before the gate, and a stream of new peer
+IDs the gate refuses grew it without bound."""
 AUDITS_KEPT = 8
 """Audited all-reduces a member keeps for the members that ask after it ends (each lets its
 replay go once every member asked, or some seconds after the round)."""
@@ -218,8 +222,11 @@ class GuardedAverager(DecentralizedAverager):
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        # (before the gate, which may read the roster: its parts may take a while to come too)
+        # (before the gate, which may read the roster: its parts may take a while to come too;
+        # the latest OPENED_KEPT callers kept, so callers the gate refuses cannot grow it)
+        self._opened.pop(context.remote_id, None)
         self._opened[context.remote_id] = time.monotonic()
+        keep_latest(self._opened, OPENED_KEPT)
         refused = not await self._gate.allows(self.dht, context.remote_id)
         if refused and not self._audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
