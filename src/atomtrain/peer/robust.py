@@ -154,7 +154,7 @@ class RobustReducer(TensorPartReducer):
         return await future
 
     def check_current_part_finished(self) -> None:
-        if self.current_part_future.done():  # cancelled: a sender banned as the round ended
+        if self.current_part_future.done():  # cancelled with a handler that awaited it
             return
         if self.current_part_accumulated_from == self.num_current_senders:
             self.current_part_future.set_result(self._combine())
