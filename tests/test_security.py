@@ -533,6 +533,59 @@ def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_time
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
 
 
+def verdict_asked(auditor_said: str) -> tuple[list[str], str]:
+    """An audited runner of members me, a, b whose span a audits and whose verdict a does not
+    give (its averager answers the request as for a group it is not in). `auditor_said`: what
+    a answered this member's parts: "not in the group", the same after sending this member its
+    own parts, or nothing. (Members doubted, why this member discards the round.)"""
+    from atomtrain.peer.audit import AuditedRunner
+
+    class Stub:
+        def __init__(self, peer_id: str):
+            assert peer_id == "a"
+
+        async def rpc_audit_verdict(self, request):
+            assert request.group_id == b"g" and request.weight == 0.0
+            return averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+
+    async def scenario() -> tuple[list[str], str]:
+        runner = AuditedRunner.__new__(AuditedRunner)
+        doubted: list[str] = []
+        runner.peer_id, runner.group_id = "me", b"g"
+        runner.ordered_peer_ids = runner.sender_peer_ids = ["me", "a", "b"]
+        runner._auditor, runner._own_index = {0: 1, 1: 2, 2: 0}, 0
+        runner._seeds, runner._sent = {0: 7, 1: 8, 2: 9}, {0: [], 1: [], 2: []}
+        runner.active_senders, runner._delivered, runner._heard_late = {"me", "b"}, {"b"}, set()
+        runner._not_in_group, runner._fell_back = set(), set()
+        if auditor_said != "nothing":
+            runner._not_in_group.add("a")  # its span failed: this member's own part stands in
+            runner._fell_back.add(1)
+        if auditor_said.startswith("after sending"):
+            runner.active_senders.add("a")
+        runner.traffic, runner._timeout = Traffic(), 0.2
+        runner._get_peer_stub = Stub
+        runner._on_doubt = lambda peer_id, why: doubted.append(peer_id)
+        runner._on_reject = lambda peer_id, why: doubted.append(f"banned {peer_id}")
+        why = await asyncio.wait_for(runner._ask(0), 5)
+        return doubted, why
+
+    return asyncio.run(scenario())
+
+
+def test_an_auditor_that_missed_its_leaders_word_is_not_left_out_for_its_missing_verdict():
+    """A leader formed its group as a follower's matchmaking gave up on it: the follower never
+    ran the group, answered the others' parts that it is not in it, and had no verdict to give
+    on the span it was to audit. Doubted for that, it was left out of the others' next rounds
+    (bench attack, a clean swarm: both others short of the quorum for four rounds; the quick
+    bench: a pair that stopped averaging until its budget ran out). The round is discarded, and
+    no one is doubted; an auditor that sent its parts, or did not say so, still is."""
+    doubted, why = verdict_asked("not in the group")
+    assert doubted == [] and why == "a, the auditor, says it is not in the group"
+    assert verdict_asked("after sending its parts, not in the group")[0] == ["a"]
+    doubted, why = verdict_asked("nothing")
+    assert doubted == ["a"] and why.startswith("a gave no audit verdict")
+
+
 def start_waited(opened: str, since: float = -1.0, start: float = 0.1) -> tuple[float, str]:
     """A runner of members me, a, b (a reduces no span; b does, and sends nothing): how long
     its wait for the senders ran, and how the round ended. The members `opened` names opened

@@ -26,8 +26,10 @@ whose averages differ from the replay of the very parts it forwarded, or that fo
 other than the auditor's own as the auditor's; the reducer, which knows its averages are honest,
 bans an auditor that reports otherwise. A reducer that forwarded nothing (in time), or an
 auditor that gives no verdict, may only have a slow link: it is left out of the next rounds for
-a while, as a member that stalls. A member that is neither sees only that the two disagree, and
-discards the round without blaming either. So a reducer that lies loses the round the first
+a while, as a member that stalls (not one that answered this member's parts that it is not in
+the group, and sent nothing: it missed its leader's word, and has no verdict to give). A member
+that is neither sees only that the two disagree, and discards the round without blaming
+either. So a reducer that lies loses the round the first
 time (nothing of it is applied) and is banned by its auditor; a member that lies as an auditor
 is banned by the reducer it slandered. The replay's settings are the group's: every member
 declares its defence's smallest typical update (`min_scale`, from its learning rate) and every
@@ -377,6 +379,17 @@ class AuditedRunner(RobustRunner):
         answers = await asyncio.gather(*checks)
         return [why for why in answers if why]
 
+    def _missed_the_group(self, peer_id: PeerID) -> bool:
+        """`peer_id` answered this member's parts that it is not in the group and sent it
+        nothing of the round: an honest member that missed its leader's word (guarded.py,
+        _group_runner) says so, and has no verdict to give. Doubted for the verdict it cannot
+        give, it was left out of the next rounds (bench attack, clean swarms: an honest peer
+        left out mid-run, its partners' rounds short of the quorum; a pair stopped averaging
+        until its budget ran out). Its span failed, so this member discards the round either
+        way; exact.py names no staller for that answer, and one that sent its parts gives no
+        such excuse."""
+        return peer_id in self._not_in_group and not self._heard_from(peer_id)
+
     async def _ask(self, span: int) -> str:
         """Why this member's view of `span` fails its auditor's verdict ("" when it holds)."""
         auditor = self.ordered_peer_ids[self._auditor[span]]
@@ -390,6 +403,8 @@ class AuditedRunner(RobustRunner):
 
         if span in self._fell_back:  # the reducer failed on us: the probes discard the round
             return f"{reducer} sent not all its averages"
+        if self._missed_the_group(auditor):
+            return f"{auditor}, the auditor, says it is not in the group"
         request = averaging_pb2.AveragingData(
             group_id=self.group_id,
             weight=float(span),

@@ -188,13 +188,17 @@ class ExactAverageRunner(CountedRunner):
             peer_id
             for peer_id in self.sender_peer_ids
             if peer_id != self.peer_id
-            and not (
-                peer_id in self.active_senders
-                or peer_id in self._delivered
-                or peer_id in self._not_in_group
-                or peer_id in self._heard_late
-            )  # (its averages may beat its own parts here: it ran the round)
+            and not (self._heard_from(peer_id) or peer_id in self._not_in_group)
         ]
+
+    def _heard_from(self, peer_id: Any) -> bool:
+        """`peer_id` sent this member something of the round, whenever it came: its parts, or
+        averages of its span (which may beat its parts here): it ran the round."""
+        return (
+            peer_id in self.active_senders
+            or peer_id in self._delivered
+            or peer_id in self._heard_late
+        )
 
     async def _handle_missing_senders(self) -> None:
         """hivemind's, with the round ended (end_early) where it has become all but sure to be
