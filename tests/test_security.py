@@ -43,6 +43,8 @@ from atomtrain.peer.exact import (
 from atomtrain.peer.exclusion import (
     FORGIVE_ROUNDS,
     OPPOSED_EXCLUSION_ROUNDS,
+    OPPOSED_SPAN_ROUNDS,
+    OPPOSED_WITHIN,
     exclusion_rounds,
     stalls_remembered,
 )
@@ -1089,10 +1091,11 @@ def test_the_reducer_measures_how_each_members_update_agrees_with_its_own():
 
 
 def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
-    """OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN rounds with the member's update's
-    cosine to this peer's below OPPOSED_COSINE leave it out (as a staller, named once), whether
-    or not it agreed in between; an honest member's weak agreement (about 0) never counts, nor
-    opposing rounds further apart, nor a member already left out or banned."""
+    """OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN readings of the member's update with
+    its cosine to this peer's below OPPOSED_COSINE leave it out (as a staller, named once),
+    whether or not it agreed in between, and however many rounds without a reading of it came
+    between (within OPPOSED_SPAN_ROUNDS); an honest member's weak agreement (about 0) never
+    counts, nor opposing readings further apart, nor a member already left out or banned."""
     named: list[tuple[str, str]] = []
 
     class Peer(str):
@@ -1101,7 +1104,7 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
 
     events: queue.Queue = queue.Queue()
     fake = SimpleNamespace(
-        _opposed={}, _stalled={}, _rounds=0, _gate=SimpleNamespace(banned=set()), _events=events
+        _readings={}, _stalled={}, _rounds=0, _gate=SimpleNamespace(banned=set()), _events=events
     )
     fake._excluded = lambda peer: peer in fake._stalled
     fake._stall = lambda peer, why, first: named.append((peer, why, first))
@@ -1121,11 +1124,11 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     round_(flipper=-0.5)
     assert [peer for peer, _, _ in named] == ["flipper"] and "opposite" in named[0][1]
     assert named[0][2] == OPPOSED_EXCLUSION_ROUNDS  # left out longer than a staller
-    assert not fake._opposed  # counted afresh after it is let back in
+    assert flipper not in fake._readings  # counted afresh after it is let back in
     fake._stalled[flipper] = 3  # while it is left out, nothing more is counted against it
     round_(flipper=-0.9)
     round_(flipper=-0.9)
-    assert len(named) == 1 and not fake._opposed
+    assert len(named) == 1 and flipper not in fake._readings
     # every reading, counted or not, reaches the peer (its metrics' `agreement`), by name
     avg = SimpleNamespace(
         _events=events, names={"flipper": "mallory"}, _agreements=[], _stalls=[],
@@ -1136,6 +1139,19 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     assert len(readings) == 9 * 3 + 5 and readings[-1] == ("mallory", "flipper", -0.9)
     assert ("honest", "honest", pytest.approx(0.4)) in readings
     assert ProbedAverager.agreements(avg) == []
+    # failed rounds it was not in do not age a reading (bench attack: a flipper read -0.58,
+    # then -0.41 four readings and more rounds later, was left out by that peer only 12 rounds
+    # on); readings OPPOSED_SPAN_ROUNDS rounds apart still do not count together
+    del fake._stalled[flipper]
+    named.clear()
+    for gap, left_out in ((OPPOSED_WITHIN + 2, True), (OPPOSED_SPAN_ROUNDS, False)):
+        fake._readings.clear()
+        round_(drifter=-0.6)
+        for _ in range(gap - 1):
+            round_(honest=0.5)
+        round_(drifter=-0.5)
+        assert [peer for peer, _, _ in named] == (["drifter"] if left_out else []), gap
+        named.clear()
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

@@ -8,8 +8,8 @@ its next rounds (exclusion.py: `STALL_ROUNDS`, doubled at each repeat, one repea
 then sent nothing, or reduced nothing (exact.py tells which), or reduced its span to averages
 beyond what an honest reducer returns (bounds.reducer_bounds, bounds.PAIR_SLACK), or that an
 audit showed lying as a reducer or an auditor, or whose update opposed this member's own in
-`OPPOSED_ROUNDS` of its last `OPPOSED_WITHIN` rounds (`OPPOSED_COSINE`; left out
-`OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's). Counted in
+`OPPOSED_ROUNDS` of this member's last `OPPOSED_WITHIN` readings of it (`OPPOSED_COSINE`; left
+out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's). Counted in
 rounds rather than banned for good, since an honest peer frozen for a while (or cut off), or an
 honest reducer whose own update is tens of times the others', can look the same. A group that
 holds a member this one excludes or banned does not make it abort (that would spoil the round
@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from dataclasses import replace
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
@@ -53,6 +54,7 @@ from atomtrain.peer.exclusion import (
     OPPOSED_COSINE,
     OPPOSED_EXCLUSION_ROUNDS,
     OPPOSED_ROUNDS,
+    OPPOSED_SPAN_ROUNDS,
     OPPOSED_WITHIN,
     STALL_ROUNDS,
     exclusion_rounds,
@@ -124,7 +126,8 @@ class GuardedAverager(DecentralizedAverager):
         self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
         # peer -> (stalls, at round, rounds that one left it out of)
         self._stalls: dict[PeerID, tuple[int, int, int]] = {}
-        self._opposed: dict[PeerID, list[int]] = {}  # peer -> rounds it opposed this one's in
+        # peer -> this member's latest readings of its update: (at round, opposed)
+        self._readings: dict[PeerID, deque[tuple[int, bool]]] = {}
         self._rounds = 0  # rounds this member began
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
@@ -172,23 +175,27 @@ class GuardedAverager(DecentralizedAverager):
 
     def _agreement(self, peer_id: PeerID, cosine: float) -> None:
         """A member whose update opposed this peer's (robust.RobustRunner measures it in the
-        span this peer reduces) in OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN rounds is
-        left out of the next OPPOSED_EXCLUSION_ROUNDS rounds (doubled for each exclusion it is
-        still remembered for), as one that stalled is for fewer: its part only counts, clipped,
-        for as much as an honest one, but round after round it pulls the average back (a sign
-        flip, IPM). An agreeing round between does not clear the count (an attacker flipping every
-        other round is still counted)."""
+        span this peer reduces) in OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN readings of
+        it, within its last OPPOSED_SPAN_ROUNDS rounds, is left out of the next
+        OPPOSED_EXCLUSION_ROUNDS rounds (doubled for each exclusion it is still remembered for),
+        as one that stalled is for fewer: its part only counts, clipped, for as much as an
+        honest one, but round after round it pulls the average back (a sign flip, IPM). An
+        agreeing reading between does not clear the count (an attacker flipping every other
+        round is still counted), nor do rounds with no reading of it (failed rounds it was not
+        in: its own drift soon reads near 0, so a second reading many failed rounds on is as
+        much evidence as the next round's)."""
         self._events.put((peer_id.to_base58(), repr(float(cosine)), "agreement"))
-        if cosine >= OPPOSED_COSINE or self._excluded(peer_id) or peer_id in self._gate.banned:
+        if self._excluded(peer_id) or peer_id in self._gate.banned:
             return
-        recent = [r for r in self._opposed.get(peer_id, []) if r > self._rounds - OPPOSED_WITHIN]
-        self._opposed[peer_id] = recent = [*recent, self._rounds]
-        if len(recent) >= OPPOSED_ROUNDS:
-            del self._opposed[peer_id]
+        readings = self._readings.setdefault(peer_id, deque(maxlen=OPPOSED_WITHIN))
+        readings.append((self._rounds, not cosine >= OPPOSED_COSINE))  # (NaN: opposed)
+        opposed = [r for r, o in readings if o and r > self._rounds - OPPOSED_SPAN_ROUNDS]
+        if len(opposed) >= OPPOSED_ROUNDS:
+            del self._readings[peer_id]
             self._stall(
                 peer_id,
-                f"sent updates opposite to this peer's in {len(recent)} of its last "
-                f"{OPPOSED_WITHIN} rounds",
+                f"sent updates opposite to this peer's in {len(opposed)} of its last "
+                f"{len(readings)} readings",
                 first=OPPOSED_EXCLUSION_ROUNDS,
             )
 
