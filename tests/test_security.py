@@ -45,6 +45,8 @@ from atomtrain.peer.exclusion import (
     OPPOSED_EXCLUSION_ROUNDS,
     OPPOSED_SPAN_ROUNDS,
     OPPOSED_WITHIN,
+    STALL_ROUNDS,
+    LeftOut,
     exclusion_rounds,
     stalls_remembered,
 )
@@ -401,45 +403,43 @@ def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
     # the averager's own bookkeeping: a member stalling again soon is left out twice as long;
     # one stalling again after many quiet rounds (counted from the end of its exclusion) as
     # long as the first time; one stalling whenever it is let back in, ever longer
-    class Peer(str):
-        def to_base58(self) -> str:
-            return str(self)
-
     events: list = []
 
-    def averager() -> SimpleNamespace:
-        fake = SimpleNamespace(
-            _stalled={}, _stalls={}, _rounds=0, _events=SimpleNamespace(put=events.append)
-        )
-        fake._excluded = lambda peer: peer in fake._stalled
-        return fake
+    def ledger() -> LeftOut:
+        return LeftOut(lambda peer, why, kind: events.append((peer, why, kind)), lambda _: False)
 
-    def stall_at(fake: SimpleNamespace, round_: int) -> int:
-        fake._rounds, fake._stalled = round_, {}
-        GuardedAverager._stall(fake, Peer("peer"), "silent")
-        return fake._stalled["peer"] - 1  # the rounds it is left out of after this one
+    def stall_at(left_out: LeftOut, round_: int, first: int = STALL_ROUNDS) -> int:
+        while left_out.rounds < round_:
+            left_out.next_round()
+        assert "peer" not in left_out, "named again while still left out"
+        left_out.stall("peer", "silent", first=first)
+        return left_out.rounds_left("peer")  # the rounds it is left out of after this one
 
-    a = averager()
+    a = ledger()
     assert [stall_at(a, 1), stall_at(a, 5), stall_at(a, 12)] == [2, 4, 8]
     back = 12 + 8  # its exclusion over; three quiet spans from then forgive all three stalls
     assert stall_at(a, back + 3 * FORGIVE_ROUNDS) == 2
     assert stall_at(a, back + 3 * FORGIVE_ROUNDS + 3) == 4  # and soon again: twice as long
-    b, at, left_out = averager(), 1, []
+    b, at, left_out = ledger(), 1, []
     for _ in range(8):  # let back in, it stalls at once, every time
         left_out.append(stall_at(b, at))
         at += left_out[-1] + 1
     assert left_out == [2, 4, 8, 16, 32, 64, 128, 256]
     assert len(events) == 13 and all(e[2] == "stall" for e in events)
+    # left out for exactly that many rounds: in during them, out of them after
+    c = ledger()
+    assert stall_at(c, 1) == 2
+    c.next_round()
+    c.next_round()
+    assert "peer" in c
+    c.next_round()
+    assert "peer" not in c
     # one left out longer the first time (opposing updates): its quiet rounds count from the
     # end of that longer exclusion, and a repeat doubles that length
-    c = averager()
-    c._rounds, c._stalled = 1, {}
-    GuardedAverager._stall(c, Peer("peer"), "opposed", first=OPPOSED_EXCLUSION_ROUNDS)
-    assert c._stalled["peer"] - 1 == OPPOSED_EXCLUSION_ROUNDS
+    d = ledger()
+    assert stall_at(d, 1, first=OPPOSED_EXCLUSION_ROUNDS) == OPPOSED_EXCLUSION_ROUNDS
     again = 1 + OPPOSED_EXCLUSION_ROUNDS + FORGIVE_ROUNDS - 1  # not quite forgiven
-    c._rounds, c._stalled = again, {}
-    GuardedAverager._stall(c, Peer("peer"), "opposed", first=OPPOSED_EXCLUSION_ROUNDS)
-    assert c._stalled["peer"] - 1 == 2 * OPPOSED_EXCLUSION_ROUNDS
+    assert stall_at(d, again, first=OPPOSED_EXCLUSION_ROUNDS) == 2 * OPPOSED_EXCLUSION_ROUNDS
 
 
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):
@@ -752,6 +752,7 @@ def handlers_alone() -> GuardedAverager:
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
     avg._heard, avg._opened, avg._ran = {}, {}, {}
+    avg._left_out = LeftOut(lambda peer_id, why, kind: None, lambda peer_id: False)
     return avg
 
 
@@ -1096,25 +1097,30 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     whether or not it agreed in between, and however many rounds without a reading of it came
     between (within OPPOSED_SPAN_ROUNDS); an honest member's weak agreement (about 0) never
     counts, nor opposing readings further apart, nor a member already left out or banned."""
-    named: list[tuple[str, str]] = []
+    named: list[tuple[str, str, int]] = []
 
     class Peer(str):
         def to_base58(self) -> str:
             return str(self)
 
     events: queue.Queue = queue.Queue()
-    fake = SimpleNamespace(
-        _readings={}, _stalled={}, _rounds=0, _gate=SimpleNamespace(banned=set()), _events=events
-    )
-    fake._excluded = lambda peer: peer in fake._stalled
-    fake._stall = lambda peer, why, first: named.append((peer, why, first))
     flipper, banned = Peer("flipper"), Peer("banned")
-    fake._gate.banned.add(banned)
+    ledger = LeftOut(
+        lambda peer, why, kind: events.put((peer.to_base58(), why, kind)),
+        lambda peer: peer == banned,
+    )
+    stall = ledger.stall
+
+    def named_and_left_out(peer, why, first):
+        named.append((peer, why, first))
+        stall(peer, why, first)
+
+    ledger.stall = named_and_left_out  # type: ignore[method-assign]
 
     def round_(**cosines: float) -> None:
-        fake._rounds += 1
+        ledger.next_round()
         for name, cos in cosines.items():
-            GuardedAverager._agreement(fake, Peer(name), cos)
+            ledger.reading(Peer(name), cos)
 
     for cos in [-0.6, 0.5, 0.5, 0.5, -0.6, 0.0, -0.01, 0.05, -0.2]:  # opposing 4 rounds apart
         round_(flipper=cos, honest=abs(cos) - 0.2, banned=-0.9)
@@ -1124,11 +1130,10 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     round_(flipper=-0.5)
     assert [peer for peer, _, _ in named] == ["flipper"] and "opposite" in named[0][1]
     assert named[0][2] == OPPOSED_EXCLUSION_ROUNDS  # left out longer than a staller
-    assert flipper not in fake._readings  # counted afresh after it is let back in
-    fake._stalled[flipper] = 3  # while it is left out, nothing more is counted against it
+    assert flipper in ledger and flipper not in ledger._readings  # afresh once let back in
+    round_(flipper=-0.9)  # while it is left out, nothing more is counted against it
     round_(flipper=-0.9)
-    round_(flipper=-0.9)
-    assert len(named) == 1 and flipper not in fake._readings
+    assert len(named) == 1 and flipper not in ledger._readings
     # every reading, counted or not, reaches the peer (its metrics' `agreement`), by name
     avg = SimpleNamespace(
         _events=events, names={"flipper": "mallory"}, _agreements=[], _stalls=[],
@@ -1142,15 +1147,14 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     # failed rounds it was not in do not age a reading (bench attack: a flipper read -0.58,
     # then -0.41 four readings and more rounds later, was left out by that peer only 12 rounds
     # on); readings OPPOSED_SPAN_ROUNDS rounds apart still do not count together
-    del fake._stalled[flipper]
     named.clear()
     for gap, left_out in ((OPPOSED_WITHIN + 2, True), (OPPOSED_SPAN_ROUNDS, False)):
-        fake._readings.clear()
-        round_(drifter=-0.6)
+        drifter = f"drifter{gap}"
+        round_(**{drifter: -0.6})
         for _ in range(gap - 1):
             round_(honest=0.5)
-        round_(drifter=-0.5)
-        assert [peer for peer, _, _ in named] == (["drifter"] if left_out else []), gap
+        round_(**{drifter: -0.5})
+        assert [peer for peer, _, _ in named] == ([drifter] if left_out else []), gap
         named.clear()
 
 
@@ -1397,7 +1401,7 @@ def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():
     leader's group or the request's end, whatever ends it (a redirect nests one request in
     another, as hivemind's matchmaking calls itself through the wrapped attribute)."""
     avg = handlers_alone()
-    avg._stalled, avg._assembled, avg._leaders, avg._asking = {}, set(), {}, 0
+    avg._assembled, avg._leaders, avg._asking = set(), {}, 0
     counted: list[int] = []
 
     class Matchmaking:

@@ -7,10 +7,14 @@ time, twice as many at each repeat, one repeat forgiven every `FORGIVE_ROUNDS` q
 whose update opposed this peer's own in `OPPOSED_ROUNDS` of this peer's last `OPPOSED_WITHIN`
 readings of it (`OPPOSED_COSINE`, within `OPPOSED_SPAN_ROUNDS`) is left out
 `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's. The
-averager keeps the counts (guarded.py).
+averager (guarded.py) keeps the counts in a `LeftOut`.
 """
 
 from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 STALL_ROUNDS = 2
 """A member that stalled a round is left out of this peer's next this many rounds (refused as a
@@ -59,3 +63,72 @@ def exclusion_rounds(stalls: int, first: int = STALL_ROUNDS) -> int:
 def stalls_remembered(stalls: int, rounds_since: int) -> int:
     """A member's stalls still counted `rounds_since` rounds after its last one."""
     return max(stalls - max(rounds_since, 0) // FORGIVE_ROUNDS, 0)
+
+
+class LeftOut:
+    """The members this peer leaves out of its rounds, counted in its rounds (`next_round`).
+    `tell(peer_id, why, kind)` passes each exclusion ("stall") and reading ("agreement") on to
+    the training process; `banned(peer_id)`: the gate banned it (nothing more to count)."""
+
+    def __init__(
+        self, tell: Callable[[Any, str, str], None], banned: Callable[[Any], bool]
+    ) -> None:
+        self._tell, self._banned = tell, banned
+        self.rounds = 0  # rounds this peer began
+        self._left: dict[Any, int] = {}  # peer -> rounds it is still left out of, plus one
+        # peer -> (stalls, at round, rounds that one left it out of)
+        self._stalls: dict[Any, tuple[int, int, int]] = {}
+        # peer -> this peer's latest readings of its update: (at round, opposed)
+        self._readings: dict[Any, deque[tuple[int, bool]]] = {}
+
+    def __contains__(self, peer_id: Any) -> bool:
+        return peer_id in self._left
+
+    def rounds_left(self, peer_id: Any) -> int:
+        """The rounds after this one that `peer_id` is still left out of."""
+        return max(self._left.get(peer_id, 0) - 1, 0)
+
+    def next_round(self) -> None:
+        """A round begins: one fewer to leave each member out of."""
+        self._left = {p: n - 1 for p, n in self._left.items() if n > 1}
+        self.rounds += 1
+
+    def stall(self, peer_id: Any, why: str, first: int = STALL_ROUNDS) -> None:
+        """Leave `peer_id` out of the next rounds: `first` times 2 to the power of the
+        exclusions it is still remembered for, of any kind (exclusion_rounds,
+        stalls_remembered)."""
+        if peer_id in self._left:
+            return  # already named in this round
+        self._tell(peer_id, why, "stall")
+        before, at, sat_out = self._stalls.get(peer_id, (0, self.rounds, 0))
+        # quiet rounds count from the end of its last exclusion, not the rounds it sat out
+        times = stalls_remembered(before, self.rounds - at - sat_out) + 1
+        rounds = exclusion_rounds(times, first)
+        self._stalls[peer_id] = (times, self.rounds, rounds)
+        self._left[peer_id] = 1 + rounds
+
+    def reading(self, peer_id: Any, cosine: float) -> None:
+        """A member whose update opposed this peer's (robust.RobustRunner measures it in the
+        span this peer reduces) in OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN readings of
+        it, within its last OPPOSED_SPAN_ROUNDS rounds, is left out of the next
+        OPPOSED_EXCLUSION_ROUNDS rounds (doubled for each exclusion it is still remembered for),
+        as one that stalled is for fewer: its part only counts, clipped, for as much as an
+        honest one, but round after round it pulls the average back (a sign flip, IPM). An
+        agreeing reading between does not clear the count (an attacker flipping every other
+        round is still counted), nor do rounds with no reading of it (failed rounds it was not
+        in: its own drift soon reads near 0, so a second reading many failed rounds on is as
+        much evidence as the next round's)."""
+        self._tell(peer_id, repr(float(cosine)), "agreement")
+        if peer_id in self._left or self._banned(peer_id):
+            return
+        readings = self._readings.setdefault(peer_id, deque(maxlen=OPPOSED_WITHIN))
+        readings.append((self.rounds, not cosine >= OPPOSED_COSINE))  # (NaN: opposed)
+        opposed = [r for r, o in readings if o and r > self.rounds - OPPOSED_SPAN_ROUNDS]
+        if len(opposed) >= OPPOSED_ROUNDS:
+            del self._readings[peer_id]
+            self.stall(
+                peer_id,
+                f"sent updates opposite to this peer's in {len(opposed)} of its last "
+                f"{len(readings)} readings",
+                first=OPPOSED_EXCLUSION_ROUNDS,
+            )

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import deque
 from dataclasses import replace
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
@@ -50,16 +49,7 @@ from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_weights
 from atomtrain.peer.download import download_from
 from atomtrain.peer.exact import START_FLOOR_S, ExactAverageRunner, start_timeouts
-from atomtrain.peer.exclusion import (
-    OPPOSED_COSINE,
-    OPPOSED_EXCLUSION_ROUNDS,
-    OPPOSED_ROUNDS,
-    OPPOSED_SPAN_ROUNDS,
-    OPPOSED_WITHIN,
-    STALL_ROUNDS,
-    exclusion_rounds,
-    stalls_remembered,
-)
+from atomtrain.peer.exclusion import LeftOut
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import round_layout
 from atomtrain.peer.robust import RobustRunner
@@ -123,12 +113,10 @@ class GuardedAverager(DecentralizedAverager):
         self._assembled: set[bytes] = set()  # groups this step joined (a trigger may await them)
         self._asking = 0  # join requests this member has out to leaders (_guard_leaders)
         self._trusted = True  # the round's metadata is its members' (robust bans count)
-        self._stalled: dict[PeerID, int] = {}  # peer -> rounds it is still left out of, plus one
-        # peer -> (stalls, at round, rounds that one left it out of)
-        self._stalls: dict[PeerID, tuple[int, int, int]] = {}
-        # peer -> this member's latest readings of its update: (at round, opposed)
-        self._readings: dict[PeerID, deque[tuple[int, bool]]] = {}
-        self._rounds = 0  # rounds this member began
+        self._left_out = LeftOut(
+            lambda peer_id, why, kind: self._events.put((peer_id.to_base58(), why, kind)),
+            lambda peer_id: peer_id in self._gate.banned,
+        )
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
         self._opened: dict[PeerID, float] = {}  # peer -> when it last opened a stream of parts
@@ -159,46 +147,6 @@ class GuardedAverager(DecentralizedAverager):
             self._gate.ban(peer_id)
             self._events.put((peer_id.to_base58(), why, "reject"))
 
-    def _stall(self, peer_id: PeerID, why: str, first: int = STALL_ROUNDS) -> None:
-        """Leave `peer_id` out of the next rounds: `first` times 2 to the power of the
-        exclusions it is still remembered for, of any kind (exclusion_rounds,
-        stalls_remembered)."""
-        if self._excluded(peer_id):
-            return  # already named in this round
-        self._events.put((peer_id.to_base58(), why, "stall"))
-        before, at, sat_out = self._stalls.get(peer_id, (0, self._rounds, 0))
-        # quiet rounds count from the end of its last exclusion, not the rounds it sat out
-        times = stalls_remembered(before, self._rounds - at - sat_out) + 1
-        rounds = exclusion_rounds(times, first)
-        self._stalls[peer_id] = (times, self._rounds, rounds)
-        self._stalled[peer_id] = 1 + rounds
-
-    def _agreement(self, peer_id: PeerID, cosine: float) -> None:
-        """A member whose update opposed this peer's (robust.RobustRunner measures it in the
-        span this peer reduces) in OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN readings of
-        it, within its last OPPOSED_SPAN_ROUNDS rounds, is left out of the next
-        OPPOSED_EXCLUSION_ROUNDS rounds (doubled for each exclusion it is still remembered for),
-        as one that stalled is for fewer: its part only counts, clipped, for as much as an
-        honest one, but round after round it pulls the average back (a sign flip, IPM). An
-        agreeing reading between does not clear the count (an attacker flipping every other
-        round is still counted), nor do rounds with no reading of it (failed rounds it was not
-        in: its own drift soon reads near 0, so a second reading many failed rounds on is as
-        much evidence as the next round's)."""
-        self._events.put((peer_id.to_base58(), repr(float(cosine)), "agreement"))
-        if self._excluded(peer_id) or peer_id in self._gate.banned:
-            return
-        readings = self._readings.setdefault(peer_id, deque(maxlen=OPPOSED_WITHIN))
-        readings.append((self._rounds, not cosine >= OPPOSED_COSINE))  # (NaN: opposed)
-        opposed = [r for r, o in readings if o and r > self._rounds - OPPOSED_SPAN_ROUNDS]
-        if len(opposed) >= OPPOSED_ROUNDS:
-            del self._readings[peer_id]
-            self._stall(
-                peer_id,
-                f"sent updates opposite to this peer's in {len(opposed)} of its last "
-                f"{len(readings)} readings",
-                first=OPPOSED_EXCLUSION_ROUNDS,
-            )
-
     @property
     def _audited(self) -> bool:
         """Its rounds are audited (audit.py): a banned member a third party took in is safe to
@@ -207,7 +155,7 @@ class GuardedAverager(DecentralizedAverager):
 
     def _excluded(self, peer_id: PeerID) -> bool:
         """Stalled a round lately (local, for some rounds; a ban is the gate's and lasts)."""
-        return peer_id in self._stalled
+        return peer_id in self._left_out
 
     # --- gates ------------------------------------------------------------------------------
 
@@ -365,9 +313,7 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _step(self, *, step, future_for_init):
         self._guard_leaders()
-        # a new round: one fewer to leave stalled members out of
-        self._stalled = {p: n - 1 for p, n in self._stalled.items() if n > 1}
-        self._rounds += 1
+        self._left_out.next_round()
         self._leaders.clear()
         self._led_by.clear()
         self._assembled.clear()
@@ -525,7 +471,7 @@ class GuardedAverager(DecentralizedAverager):
         if self._defence is not None:
             runner_type = AuditedRunner if self._defence.audit else RobustRunner
             extra = self._robust_arguments(group_info, self._defence)
-            extra["on_stall"] = self._stall
+            extra["on_stall"] = self._left_out.stall
             if self._attack == "lying_auditor":  # bench attack only
                 extra["slander"] = SLANDER
         elif self._attack == "lying_reducer":  # bench attack only: it lies in undefended swarms too
@@ -611,8 +557,8 @@ class GuardedAverager(DecentralizedAverager):
             "defence": defence,
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
-            "on_doubt": self._stall if self._trusted else lambda peer_id, why: None,
-            "on_agreement": self._agreement if self._trusted else None,
+            "on_doubt": self._left_out.stall if self._trusted else lambda peer_id, why: None,
+            "on_agreement": self._left_out.reading if self._trusted else None,
             "lie": self._lie(),  # bench attack only
         }
 
