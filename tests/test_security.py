@@ -1148,7 +1148,12 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     # then -0.41 four readings and more rounds later, was left out by that peer only 12 rounds
     # on); readings OPPOSED_SPAN_ROUNDS rounds apart still do not count together
     named.clear()
-    for gap, left_out in ((OPPOSED_WITHIN + 2, True), (OPPOSED_SPAN_ROUNDS, False)):
+    spans = (
+        (OPPOSED_WITHIN + 2, True),
+        (OPPOSED_SPAN_ROUNDS - 1, True),
+        (OPPOSED_SPAN_ROUNDS, False),
+    )
+    for gap, left_out in spans:
         drifter = f"drifter{gap}"
         round_(**{drifter: -0.6})
         for _ in range(gap - 1):
@@ -1156,6 +1161,33 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
         round_(**{drifter: -0.5})
         assert [peer for peer, _, _ in named] == ([drifter] if left_out else []), gap
         named.clear()
+    # a reading no longer counted is let go: a member read once and never again is not kept
+    assert f"drifter{OPPOSED_SPAN_ROUNDS}" in ledger._readings
+    for _ in range(OPPOSED_SPAN_ROUNDS):
+        round_(honest=0.5)
+    assert set(ledger._readings) == {"honest"}
+    # the tries of one round read one update: an odd update read twice is one reading (opposed),
+    # and agreeing tries push no opposed reading out of the window
+    ledger.next_round()
+    ledger.reading(Peer("odd"), -0.5)
+    ledger.reading(Peer("odd"), -0.5)
+    round_(odd=0.5)
+    assert not named
+    for _ in range(OPPOSED_WITHIN - 3):  # three tries: one reading, not three
+        ledger.next_round()
+        for cos in (0.5, 0.5, 0.5):
+            ledger.reading(Peer("odd"), cos)
+    round_(odd=-0.5)
+    assert [peer for peer, _, _ in named] == ["odd"]
+    named.clear()
+    # an exclusion of any kind lets its readings go: counted afresh once it is back
+    round_(twice=-0.5)
+    ledger.stall(Peer("twice"), "silent", first=1)
+    named.clear()
+    round_()
+    round_()
+    round_(twice=-0.5)
+    assert not named and "twice" not in ledger
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

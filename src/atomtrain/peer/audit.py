@@ -382,12 +382,12 @@ class AuditedRunner(RobustRunner):
     def _missed_the_group(self, peer_id: PeerID) -> bool:
         """`peer_id` answered this member's parts that it is not in the group and sent it
         nothing of the round: an honest member that missed its leader's word (guarded.py,
-        _group_runner) says so, and has no verdict to give. Doubted for the verdict it cannot
-        give, it was left out of the next rounds (bench attack, clean swarms: an honest peer
-        left out mid-run, its partners' rounds short of the quorum; a pair stopped averaging
-        until its budget ran out). Its span failed, so this member discards the round either
-        way; exact.py names no staller for that answer, and one that sent its parts gives no
-        such excuse."""
+        _group_runner) says so, and has no verdict to give (nor, often, one whose own round of
+        the group ended early). Doubted for the verdict it could not give, it was left out of
+        the next rounds (bench attack, clean swarms too: an honest peer left out mid-run by
+        both others, whose rounds then fell short of the quorum). Its span failed, so this
+        member discards the round either way; exact.py names no staller for that answer, and
+        one that sent its parts gives no such excuse."""
         return peer_id in self._not_in_group and not self._heard_from(peer_id)
 
     async def _ask(self, span: int) -> str:

@@ -34,15 +34,18 @@ each honest peer, then -0.18 to 0.04 (the attack's own model drifts). Untested: 
 OPPOSED_ROUNDS = 2
 """Opposing readings that leave a member out..."""
 OPPOSED_WITHIN = 4
-"""...of this peer's last this many readings of its update (one per round they share; counted
-in readings, not in this peer's rounds: a sign flipper read -0.58 and, four readings later,
--0.41 by one honest peer, whose failed rounds between had aged the first past a window of 4
-rounds, so it was left out by all three only 12 rounds in; bench attack, 3 seeds)..."""
+"""...of this peer's last this many readings of its update (one per round of this peer's: the
+tries of a round read the same update, and count as opposed if any did). Counted in readings,
+not in this peer's rounds: one honest peer read a sign flipper -0.58, then -0.41 in its fourth
+reading, but the failed rounds between had aged the first out of a window of 4 rounds, and the
+flipper was left out by all three honest peers only 12 rounds in (bench attack, run C, seed
+2)..."""
 OPPOSED_SPAN_ROUNDS = 16
-"""...taken within this peer's last this many rounds. Against the readings of every bench attack
-run kept (16,934 of honest pairs), no honest member was ever left out by this rule: only two
-honest readings fell below OPPOSED_COSINE, both of one member in one round (-0.44 and -0.38,
-by two peers), and its next readings were 0.39-0.6."""
+"""...taken within this peer's last this many rounds. Replayed on the readings of every bench
+attack run kept (16,934 of honest pairs, as the metrics logged them, one per try), "2 of the
+last 4 readings" named no honest member: only two honest readings fell below OPPOSED_COSINE,
+both of one member in one round (-0.44 and -0.38, by two peers), and its next readings were
+0.39-0.6."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
@@ -89,9 +92,12 @@ class LeftOut:
         return max(self._left.get(peer_id, 0) - 1, 0)
 
     def next_round(self) -> None:
-        """A round begins: one fewer to leave each member out of."""
+        """A round begins: one fewer to leave each member out of; readings too old to count
+        let go (a member no longer read, gone or banned, is not kept)."""
         self._left = {p: n - 1 for p, n in self._left.items() if n > 1}
         self.rounds += 1
+        oldest = self.rounds - OPPOSED_SPAN_ROUNDS
+        self._readings = {p: r for p, r in self._readings.items() if r[-1][0] > oldest}
 
     def stall(self, peer_id: Any, why: str, first: int = STALL_ROUNDS) -> None:
         """Leave `peer_id` out of the next rounds: `first` times 2 to the power of the
@@ -106,6 +112,7 @@ class LeftOut:
         rounds = exclusion_rounds(times, first)
         self._stalls[peer_id] = (times, self.rounds, rounds)
         self._left[peer_id] = 1 + rounds
+        self._readings.pop(peer_id, None)  # counted afresh once it is let back in
 
     def reading(self, peer_id: Any, cosine: float) -> None:
         """A member whose update opposed this peer's (robust.RobustRunner measures it in the
@@ -117,15 +124,19 @@ class LeftOut:
         agreeing reading between does not clear the count (an attacker flipping every other
         round is still counted), nor do rounds with no reading of it (failed rounds it was not
         in: its own drift soon reads near 0, so a second reading many failed rounds on is as
-        much evidence as the next round's)."""
+        much evidence as the next round's). The tries of one round are one reading, opposed if
+        any was: an honest member's one odd update read twice is not two, and an attacker's
+        agreeing tries push no opposed reading out."""
         self._tell(peer_id, repr(float(cosine)), "agreement")
         if peer_id in self._left or self._banned(peer_id):
             return
+        opposed_now = not cosine >= OPPOSED_COSINE  # (NaN: opposed)
         readings = self._readings.setdefault(peer_id, deque(maxlen=OPPOSED_WITHIN))
-        readings.append((self.rounds, not cosine >= OPPOSED_COSINE))  # (NaN: opposed)
+        if readings and readings[-1][0] == self.rounds:
+            opposed_now = readings.pop()[1] or opposed_now
+        readings.append((self.rounds, opposed_now))
         opposed = [r for r, o in readings if o and r > self.rounds - OPPOSED_SPAN_ROUNDS]
         if len(opposed) >= OPPOSED_ROUNDS:
-            del self._readings[peer_id]
             self.stall(
                 peer_id,
                 f"sent updates opposite to this peer's in {len(opposed)} of its last "
