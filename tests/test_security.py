@@ -1,6 +1,7 @@
 """Swarm keys close the DHT, averaging and state-download gates; bad updates are refused."""
 
 import asyncio
+import hashlib
 import math
 import os
 import queue
@@ -34,6 +35,7 @@ from atomtrain.peer.averaging import ProbedAverager
 from atomtrain.peer.bounds import Defence, equal_weights
 from atomtrain.peer.exact import (
     LAG_CAP,
+    NOT_IN_GROUP,
     START_FLOOR_S,
     START_LAGS,
     ExactAverageRunner,
@@ -533,6 +535,41 @@ def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_time
     assert ended_early(leader="b", heard="", wait_s=0.5, answers="a,c")[1] == ["a", "c"]
     assert ended_early(leader="c", heard="", wait_s=0.5)[1] == ["c"]  # silent leader alone
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
+
+
+def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
+    """What the audit's and the stall rule's exemptions read (`_not_in_group`): a reducer that
+    answers this member's parts BAD_GROUP_ID, as hivemind's sender reports it (its error's
+    words, matched by exact.NOT_IN_GROUP), fails its span and is recorded as not in the group,
+    not as heard from."""
+    from hivemind.averaging.partition import AllreduceException
+    from hivemind.p2p import PeerID
+
+    def peer_id(name: str) -> PeerID:  # an identity multihash of a made-up key
+        return PeerID(b"\x00\x24\x08\x01\x12\x20" + hashlib.sha256(name.encode()).digest())
+
+    class Stub:
+        async def rpc_aggregate_part(self, parts):
+            async def answer():
+                yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+
+            return answer()
+
+    async def scenario() -> tuple[str, bool, bool]:
+        me, other = peer_id("me"), peer_id("other")
+        runner = ExactAverageRunner(
+            p2p=SimpleNamespace(peer_id=me), servicer_type=GuardedAverager, prefix="t",
+            group_id=b"g", tensors=[torch.zeros(64)], ordered_peer_ids=[me, other],
+            peer_fractions=(0.5, 0.5), sender_timeout=1.0, reducer_timeout=2.0,
+            traffic=Traffic(),
+        )  # fmt: skip
+        runner._get_peer_stub = lambda peer: Stub()
+        with pytest.raises(AllreduceException) as failed:
+            await runner._communicate_with_peer(other)
+        return str(failed.value), other in runner._not_in_group, runner._heard_from(other)
+
+    why, not_in_group, heard = asyncio.run(scenario())
+    assert why.endswith(NOT_IN_GROUP) and not_in_group and not heard
 
 
 def verdict_asked(auditor_said: str) -> tuple[list[str], str]:
