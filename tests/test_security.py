@@ -1210,21 +1210,31 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     ledger.reading(Peer("odd"), -0.5)
     round_(odd=0.5)
     assert not named
-    for _ in range(OPPOSED_WITHIN - 3):  # three tries: one reading, not three
-        ledger.next_round()
-        for cos in (0.5, 0.5, 0.5):
-            ledger.reading(Peer("odd"), cos)
-    round_(odd=-0.5)
+    ledger.next_round()
+    for _ in range(3):  # three tries of a round: one reading, not three
+        ledger.reading(Peer("odd"), 0.5)
+    round_(odd=-0.5)  # the 4th reading: the first still counts
     assert [peer for peer, _, _ in named] == ["odd"]
     named.clear()
-    # an exclusion of any kind lets its readings go: counted afresh once it is back
+    # left out for a stall meanwhile, it keeps its readings: a stall does not start it afresh
     round_(twice=-0.5)
     ledger.stall(Peer("twice"), "silent", first=1)
     named.clear()
     round_()
     round_()
+    assert "twice" not in ledger
     round_(twice=-0.5)
-    assert not named and "twice" not in ledger
+    assert [peer for peer, _, _ in named] == ["twice"]
+    named.clear()
+    # a newer reading keeps the member's readings; the old one past the span still drops out
+    round_(span=-0.6)
+    for _ in range(OPPOSED_SPAN_ROUNDS // 2 - 1):
+        round_()
+    round_(span=0.5)
+    for _ in range(OPPOSED_SPAN_ROUNDS // 2 - 1):
+        round_()
+    round_(span=-0.5)
+    assert not named
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

@@ -44,8 +44,8 @@ OPPOSED_SPAN_ROUNDS = 16
 """...taken within this peer's last this many rounds. Replayed on the readings of every bench
 attack run kept (16,934 of honest pairs, as the metrics logged them, one per try), "2 of the
 last 4 readings" named no honest member: only two honest readings fell below OPPOSED_COSINE,
-both of one member in one round (-0.44 and -0.38, by two peers), and its next readings were
-0.39-0.6."""
+both of one member in one round (-0.44 and -0.38, by two different peers), and its next
+readings were 0.39-0.6; with a round's tries as one reading, the same holds."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
@@ -92,12 +92,17 @@ class LeftOut:
         return max(self._left.get(peer_id, 0) - 1, 0)
 
     def next_round(self) -> None:
-        """A round begins: one fewer to leave each member out of; readings too old to count
-        let go (a member no longer read, gone or banned, is not kept)."""
+        """A round begins: one fewer to leave each member out of; readings too old to count,
+        and stalls all forgiven, let go (a member gone or banned is not kept)."""
         self._left = {p: n - 1 for p, n in self._left.items() if n > 1}
         self.rounds += 1
         oldest = self.rounds - OPPOSED_SPAN_ROUNDS
         self._readings = {p: r for p, r in self._readings.items() if r[-1][0] > oldest}
+        self._stalls = {
+            p: (times, at, sat_out)
+            for p, (times, at, sat_out) in self._stalls.items()
+            if p in self._left or stalls_remembered(times, self.rounds - at - sat_out)
+        }
 
     def stall(self, peer_id: Any, why: str, first: int = STALL_ROUNDS) -> None:
         """Leave `peer_id` out of the next rounds: `first` times 2 to the power of the
@@ -112,7 +117,6 @@ class LeftOut:
         rounds = exclusion_rounds(times, first)
         self._stalls[peer_id] = (times, self.rounds, rounds)
         self._left[peer_id] = 1 + rounds
-        self._readings.pop(peer_id, None)  # counted afresh once it is let back in
 
     def reading(self, peer_id: Any, cosine: float) -> None:
         """A member whose update opposed this peer's (robust.RobustRunner measures it in the
@@ -126,7 +130,9 @@ class LeftOut:
         in: its own drift soon reads near 0, so a second reading many failed rounds on is as
         much evidence as the next round's). The tries of one round are one reading, opposed if
         any was: an honest member's one odd update read twice is not two, and an attacker's
-        agreeing tries push no opposed reading out."""
+        agreeing tries push no opposed reading out. Left out for opposing, a member is counted
+        afresh once let back in; left out for a stall, it keeps its readings (one holding an
+        opposed reading could otherwise stall a round to start afresh)."""
         self._tell(peer_id, repr(float(cosine)), "agreement")
         if peer_id in self._left or self._banned(peer_id):
             return
@@ -137,6 +143,7 @@ class LeftOut:
         readings.append((self.rounds, opposed_now))
         opposed = [r for r, o in readings if o and r > self.rounds - OPPOSED_SPAN_ROUNDS]
         if len(opposed) >= OPPOSED_ROUNDS:
+            del self._readings[peer_id]
             self.stall(
                 peer_id,
                 f"sent updates opposite to this peer's in {len(opposed)} of its last "

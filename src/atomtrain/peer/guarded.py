@@ -114,7 +114,7 @@ class GuardedAverager(DecentralizedAverager):
         self._asking = 0  # join requests this member has out to leaders (_guard_leaders)
         self._trusted = True  # the round's metadata is its members' (robust bans count)
         self._left_out = LeftOut(
-            lambda peer_id, why, kind: self._events.put((peer_id.to_base58(), why, kind)),
+            lambda peer_id, why, kind: events.put((peer_id.to_base58(), why, kind)),
             lambda peer_id: peer_id in self._gate.banned,
         )
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
