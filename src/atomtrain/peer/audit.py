@@ -29,11 +29,11 @@ auditor that gives no verdict, may only have a slow link: it is left out of the 
 a while, as a member that stalls (not one that answered this member's parts that it is not in
 the group, and sent nothing: it missed its leader's word, and has no verdict to give). A member
 that is neither sees only that the two disagree, and discards the round without blaming
-either. So a reducer that lies loses the round the first
-time (nothing of it is applied) and is banned by its auditor; a member that lies as an auditor
-is banned by the reducer it slandered. The replay's settings are the group's: every member
-declares its defence's smallest typical update (`min_scale`, from its learning rate) and every
-reducer and auditor uses the lower median of the declarations.
+either. So a reducer that lies loses the round the first time (nothing of it is applied) and is
+banned by its auditor; a member that lies as an auditor is banned by the reducer it slandered.
+The replay's settings are the group's: every member declares its defence's smallest typical
+update (`min_scale`, from its learning rate) and every reducer and auditor uses the lower median
+of the declarations.
 
 The auditor also checks the parts forwarded as its own, so a reducer cannot make up the
 auditor's part to fit a lie (it is left out for it). Not closed:
