@@ -258,7 +258,7 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
     from atomtrain.peer.agreement import RoundDigest, disagreement
     from atomtrain.peer.averaging import RoundResult
     from atomtrain.peer.presence import Presence
-    from atomtrain.peer.sync import group_live, quorum
+    from atomtrain.peer.sync import group_live, quorum, why_not_applied
 
     # why: a pair round applied by honest p with a liar that publishes another digest; q and r
     # never took it. No download of p's state can be checked by the others
@@ -271,6 +271,15 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
 
     assert [quorum(n, keyed=True) for n in (1, 2, 3, 4, 16)] == [2, 2, 3, 3, 3]
     assert [quorum(n, keyed=False) for n in (2, 3, 4)] == [2, 2, 2]  # open or undefended
+    # what a member decides from its group's in-sync flags and the quorum
+    pair_short = "2 members in sync while 3 could take part (sync.quorum)"
+    assert why_not_applied([True, True, True], need=3, final=False) == ""
+    assert why_not_applied([True, True, False], need=3, final=False) == pair_short
+    assert why_not_applied([True, True, False], need=3, final=True) == pair_short  # last too
+    assert why_not_applied([True, True], need=2, final=False) == ""
+    assert why_not_applied([True, False], need=2, final=False) == "no other member in sync"
+    assert why_not_applied([True, False], need=2, final=True) == ""  # the last: its own alone
+    assert why_not_applied([], need=3, final=False) == ""  # no flags: nothing to check
 
     def status(name: str, **kw: object) -> PeerStatus:
         return PeerStatus(name, 3, 30, 2.0, 1.0, 0.0, **{"peer_id": f"id-{name}", **kw})

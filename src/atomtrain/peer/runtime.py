@@ -63,7 +63,7 @@ from atomtrain.peer.rounds import (
     write_contribution,
 )
 from atomtrain.peer.state import StateCheck, swarm_schedule_step
-from atomtrain.peer.sync import group_live, needed_in_sync
+from atomtrain.peer.sync import group_live, needed_in_sync, why_not_applied
 from atomtrain.peer.wire import WireMeter, daemon_meter
 from atomtrain.train.metrics import MetricsLog
 from atomtrain.train.runner import StepRunner
@@ -509,26 +509,9 @@ class PeerRuntime:
             self.cfg.defend and self.membership is not None,
             self.cfg.target_group_size,
         )
-        if result.in_sync and sum(result.in_sync) < 2 and not self._final:
-            # no other member held our synchronized parameters, so the reducers left their
-            # updates out and the "average" is our own update alone. Applied, it made a round
-            # only this peer held: the partner that went to download the swarm's state found no
-            # other peer to vouch for it (agreement.py), and this peer raced ahead on rounds of
-            # one (churn: a joiner at round 20 while the rest sat at 11, to the end of the run).
-            # Not a round: the progress goes with the next. (Undefended rounds leave such
-            # updates out too, exact.py: the same holds there.)
-            self._lose_round("no other member in sync", record)
-            return
-        if result.in_sync and need > 2 and sum(result.in_sync) < need:
-            # a state only a pair holds, one of them possibly a liar, no third peer could take;
-            # the last round's too: every finisher takes the result of the group holding the
-            # smallest peer ID (finish.py), and of {an honest member, a sign-flipping one} that
-            # was the honest member's last 50 steps cancelled, for all (bench attack's sybil
-            # run: 3.49 against 2.86 clean). Lost, the finishers take its synchronized state.
-            self._lose_round(
-                f"{sum(result.in_sync)} members in sync while {need} could take part (sync.quorum)",
-                record,
-            )
+        why = why_not_applied(result.in_sync, need, self._final)
+        if why:
+            self._lose_round(why, record)
             return
         params = self.runner.host_parameters()
         with self.lock, self.averager.averaged() as pairs:
@@ -556,6 +539,12 @@ class PeerRuntime:
         self.last_sync = time.time()
         self.last_round_s = round_s
         self.outcomes.append(True)
+        self._record_landed(result, record, round_s)
+
+    def _record_landed(self, result: RoundResult, record: dict[str, Any], round_s: float) -> None:
+        """What a round that landed moved and took, into this step's record and the figures
+        the status publishes; the clock's period chosen from it."""
+        assert self.averager is not None
         sent0, received0 = self._traffic_at_start
         sent, received = self.averager.traffic.totals()
         if self.wire is not None:  # everything since the last round: its share of the link
