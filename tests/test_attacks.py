@@ -153,6 +153,27 @@ def test_the_attack_report_counts_exclusions_apart_from_bans():
     assert report["honest_peers_left_out"] == 1
 
 
+def test_the_attack_report_counts_the_rounds_that_averaged_the_attackers_update_in():
+    """An attacker in a round out of sync had its update left out (sync.py): of the rounds
+    applied with it, only those with it in sync averaged it in."""
+    clean = [run([3.0, 3.0], None)]
+    drifter = run([3.0, 3.0])
+    for log in drifter.records:
+        for i, r in enumerate(log[:5]):  # in sync in its first 2 rounds, then drifted
+            r["round_members"] = [["h0", True], ["h1", True], ["a", i < 2]]
+        del log[3]["round_s"], log[3]["group"]  # failed: it counts nothing, in sync or not
+        log[3]["round_members"] = [["h0", True], ["h1", True], ["a", True]]
+    report = attack_report(clean, {"sign_flip": {"defended": [drifter]}}, OPPOSED_COSINE)[
+        "attacks"
+    ][0]
+    (n,) = report["neutralized"]
+    assert n["rounds_applied_with_attacker"] == 4 and n["rounds_counted_with_attacker"] == 2
+    sybils = SwarmRun(honest=["h0"], attacker="a", sybils=["b"], records=[drifter.records[0]])
+    drifter.records[0][4]["round_members"] = [["h0", True], ["b", True]]
+    report = attack_report(clean, {"sybil": {"defended": [sybils]}}, OPPOSED_COSINE)
+    assert report["attacks"][0]["neutralized"][0]["rounds_counted_with_attacker"] == 3
+
+
 def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():
     """The cosines in the honest peers' metrics (`agreement`): the attacker's apart from the
     honest peers', and how many honest readings fell where the rule counts against a member."""

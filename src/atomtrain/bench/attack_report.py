@@ -48,6 +48,18 @@ def honest_left_out(run: SwarmRun) -> int:
     return len(named & set(run.honest))
 
 
+def counted_with(log: Records, members: set[str]) -> int:
+    """Rounds this peer applied with one of `members` in its group and in sync, so that its
+    update was averaged in (bounded by the robust aggregation; at most: a reducer that named it
+    in that round left its part out); an update out of sync is left out (sync.py)."""
+    return sum(
+        1
+        for r in log
+        if "round_s" in r
+        and any(ok and name in members for name, ok in r.get("round_members") or ())
+    )
+
+
 def rounds_with_attacker(
     log: Records, attacker: str, keys: tuple[str, ...] = ("rejected_peers",)
 ) -> tuple[int, bool]:
@@ -72,6 +84,7 @@ def neutralized(run: SwarmRun) -> dict[str, Any]:
             "rounds_until_left_out": None,
             "left_out_by_all": False,
             "rounds_applied_with_attacker": 0,
+            "rounds_counted_with_attacker": 0,
         }
     seen = [rounds_with_attacker(log, run.attacker) for log in run.records]
     either = ("rejected_peers", "stalled_peers")
@@ -84,6 +97,9 @@ def neutralized(run: SwarmRun) -> dict[str, Any]:
         "left_out_by_all": all(r for _, r in out_),
         "rounds_applied_with_attacker": max(
             sum(1 for r in log if run.attacker in r.get("group", ())) for log in run.records
+        ),
+        "rounds_counted_with_attacker": max(
+            (counted_with(log, {run.attacker, *run.sybils}) for log in run.records), default=0
         ),
     }
     if run.sybils:  # rounds an honest peer applied with one of the sybils in its group
@@ -222,8 +238,10 @@ def attack_report(
             "bounded by the robust aggregation); rounds_until_left_out: the same, counting an "
             "exclusion for a while as well (lying reducers and auditors, stallers); "
             "rounds_applied_with_attacker: all the rounds an honest peer applied with it in "
-            "its group; honest_peers_left_out: honest peers another honest peer excluded for "
-            "a while; rounds_applied: per seed, the rounds the honest peer that applied fewest "
+            "its group; rounds_counted_with_attacker: those of them with it (or one of its "
+            "sybils) in sync, its update averaged in (clipped; unless its reducer named it); honest_peers_left_out: honest peers "
+            "another honest peer excluded for a while; rounds_applied: per seed, the rounds "
+            "the honest peer that applied fewest "
             "applied; rounds_failed: per seed, the rounds the honest peer that failed most "
             "failed; failed_round_s: per seed, the median wall time of the honest peers' failed "
             "rounds; lost_attempt_cost, per seed: rounds whose all-reduce was lost, in rounds: "
