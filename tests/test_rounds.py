@@ -533,6 +533,59 @@ def test_a_resync_before_the_first_reading_of_the_swarm_asks_its_group():
     assert asked == [["a"]]
 
 
+def test_a_state_asked_for_during_a_round_with_its_group_is_served_once_it_lands():
+    """A download asked for while this peer's round runs with its group gets the state that
+    round leaves (applied, or lost), not the one from before it, which would leave the asker one
+    round behind; a round still matchmaking, or none, is not waited for, and a round that never
+    ends is waited for no longer than a third of the download timeout."""
+    from types import SimpleNamespace
+
+    from atomtrain.peer.resync import serve_after_round
+
+    class Averager:
+        """A round under way; `lands` (on the peer) after this many looks at it."""
+
+        def __init__(self, peer: SimpleNamespace, running: bool, found: bool, lands=None):
+            self.peer, self._running, self._found, self.lands = peer, running, found, lands
+            self.looks = 0
+
+        @property
+        def running(self) -> bool:
+            self.looks += 1
+            if self.lands is not None and self.looks == 5:
+                self.lands(self.peer)
+            return self._running
+
+        def group_found(self) -> bool:
+            return self._found
+
+    def peer(running: bool, found: bool, lands=None, timeout_s: float = 30.0):
+        p = SimpleNamespace(
+            round=7, failed_rounds=0, cfg=SimpleNamespace(state_timeout_s=timeout_s)
+        )
+        p.averager = Averager(p, running, found, lands)
+        return p
+
+    def applied(p: SimpleNamespace) -> None:
+        p.round += 1
+
+    def lost(p: SimpleNamespace) -> None:
+        p.failed_rounds += 1
+
+    for lands in (applied, lost):
+        p = peer(True, True, lands)
+        serve_after_round(p)  # type: ignore[arg-type]
+        assert p.averager.looks == 5 and (p.round, p.failed_rounds) != (7, 0)
+    for running, found in ((True, False), (False, False)):  # matchmaking, or no round
+        p = peer(running, found, applied)
+        serve_after_round(p)  # type: ignore[arg-type]
+        assert p.averager.looks == 1 and p.round == 7
+    p = peer(True, True, None, timeout_s=0.3)  # a round that never ends: 0.1 s, then served
+    serve_after_round(p)  # type: ignore[arg-type]
+    assert p.averager.looks > 1 and p.round == 7
+    serve_after_round(SimpleNamespace(averager=None))  # type: ignore[arg-type]
+
+
 def test_the_outer_step_moves_model_and_sync_alike():
     """The piecewise outer step against the flat DiLoCo formula."""
     g = torch.Generator().manual_seed(0)

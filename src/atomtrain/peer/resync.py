@@ -20,6 +20,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SERVE_WAIT_S = 10.0
+"""A state asked for while this peer's round runs with its group is served once that round is
+applied or lost, waiting at most this long (and a third of the asker's download timeout)."""
+
+
+def serve_after_round(peer: PeerRuntime) -> None:
+    """Hold a state download while this peer's round is under way with its group (matchmaking
+    over), until the training thread has applied or lost it (SERVE_WAIT_S at most): the asker
+    is in no group of this round, so the state from before it was one round behind by the time
+    it came back. (bench attack, run E, sign flip seeds 1 and 2: the flipper, left out by one
+    honest peer, found itself out of sync, downloaded, and came back one round behind 14 and 10
+    times, as the three honest peers' round landed while it downloaded; each time it spoiled the
+    next round of the two others, which the quorum refused.) Called from hivemind's thread
+    that serves states, in this process; a round still matchmaking is not waited for (the asker
+    may yet join it)."""
+    av = peer.averager
+    if av is None or not (av.running and av.group_found()):
+        return
+    before = (peer.round, peer.failed_rounds)
+    deadline = time.monotonic() + min(SERVE_WAIT_S, peer.cfg.state_timeout_s / 3)
+    while time.monotonic() < deadline and av.running and (peer.round, peer.failed_rounds) == before:
+        time.sleep(0.02)
+
 
 class Resync:
     def __init__(self, peer: PeerRuntime) -> None:

@@ -52,7 +52,7 @@ from atomtrain.peer.layout import Sketcher, assign, cut_pieces, digest, flatten
 from atomtrain.peer.outer import OuterNesterov
 from atomtrain.peer.presence import Presence
 from atomtrain.peer.protocol import averaging_prefix, protocol_tag
-from atomtrain.peer.resync import Resync
+from atomtrain.peer.resync import Resync, serve_after_round
 from atomtrain.peer.rounds import (
     Contribution,
     apply_outer_step,
@@ -251,7 +251,9 @@ class PeerRuntime:
     def _shared_state(self) -> tuple[dict, list[torch.Tensor]]:
         """What a joiner downloads: synchronized parameters, outer momentum, round, schedule.
         A momentum of zeros (outer momentum 0: plain averaging) is named, not sent, which
-        halves the download (download.py puts it back)."""
+        halves the download (download.py puts it back). Served after this peer's round under
+        way, if any (resync.serve_after_round)."""
+        serve_after_round(self)
         with self.lock:
             theta, momentum = self.theta_sync.clone(), self.outer.buf.clone()
             meta = {"round": self.round, "numel": self.numel, "step": self._schedule_step}
