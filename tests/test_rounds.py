@@ -535,54 +535,46 @@ def test_a_resync_before_the_first_reading_of_the_swarm_asks_its_group():
 
 def test_a_state_asked_for_during_a_round_with_its_group_is_served_once_it_lands():
     """A download asked for while this peer's round runs with its group gets the state that
-    round leaves (applied, or lost), not the one from before it, which would leave the asker one
-    round behind; a round still matchmaking, or none, is not waited for, and a round that never
-    ends is waited for no longer than a third of the download timeout."""
+    round leaves (the training thread took its result in: applied, lost, or out of sync), not
+    the one from before it, which would leave the asker one round behind. The round's control
+    is gone before its result is taken in (ProbedAverager.result): that is not the end. A round
+    still matchmaking, or none, is not waited for; one that never ends, no longer than a third
+    of the state timeout, and not again for a later asker."""
     from types import SimpleNamespace
 
     from atomtrain.peer.resync import serve_after_round
 
-    class Averager:
-        """A round under way; `lands` (on the peer) after this many looks at it."""
+    class Peer:
+        """A round under way with its group; its control gone after 2 looks at the peer, its
+        result taken in after `ends` looks (never: None)."""
 
-        def __init__(self, peer: SimpleNamespace, running: bool, found: bool, lands=None):
-            self.peer, self._running, self._found, self.lands = peer, running, found, lands
-            self.looks = 0
+        def __init__(self, ends: int | None, running=True, found=True, timeout_s=30.0) -> None:
+            self.looks, self.ends, self.ended = 0, ends, 0
+            self.serve_gave_up_at: int | None = None
+            self.cfg = SimpleNamespace(state_timeout_s=timeout_s)
+            self.averager = SimpleNamespace(running=running, group_found=lambda: found)
 
         @property
-        def running(self) -> bool:
+        def rounds_ended(self) -> int:
             self.looks += 1
-            if self.lands is not None and self.looks == 5:
-                self.lands(self.peer)
-            return self._running
+            if self.looks == 2:
+                self.averager.running = False  # result() took the control first
+            if self.ends is not None and self.looks >= self.ends:
+                self.ended = 1
+            return self.ended
 
-        def group_found(self) -> bool:
-            return self._found
-
-    def peer(running: bool, found: bool, lands=None, timeout_s: float = 30.0):
-        p = SimpleNamespace(
-            round=7, failed_rounds=0, cfg=SimpleNamespace(state_timeout_s=timeout_s)
-        )
-        p.averager = Averager(p, running, found, lands)
-        return p
-
-    def applied(p: SimpleNamespace) -> None:
-        p.round += 1
-
-    def lost(p: SimpleNamespace) -> None:
-        p.failed_rounds += 1
-
-    for lands in (applied, lost):
-        p = peer(True, True, lands)
-        serve_after_round(p)  # type: ignore[arg-type]
-        assert p.averager.looks == 5 and (p.round, p.failed_rounds) != (7, 0)
-    for running, found in ((True, False), (False, False)):  # matchmaking, or no round
-        p = peer(running, found, applied)
-        serve_after_round(p)  # type: ignore[arg-type]
-        assert p.averager.looks == 1 and p.round == 7
-    p = peer(True, True, None, timeout_s=0.3)  # a round that never ends: 0.1 s, then served
+    p = Peer(ends=6)
     serve_after_round(p)  # type: ignore[arg-type]
-    assert p.averager.looks > 1 and p.round == 7
+    assert p.ended == 1 and p.looks == 6
+    for waiting in (Peer(6, running=True, found=False), Peer(6, running=False, found=False)):
+        serve_after_round(waiting)  # type: ignore[arg-type]
+        assert waiting.looks == 0  # matchmaking, or no round: served at once
+    p = Peer(ends=None, timeout_s=0.3)  # never ends: waited out (0.1 s), then served
+    serve_after_round(p)  # type: ignore[arg-type]
+    assert p.looks > 2 and p.serve_gave_up_at == 0
+    p.averager.running, looks = True, p.looks
+    serve_after_round(p)  # type: ignore[arg-type]
+    assert p.looks == looks + 1  # the same round: a later asker is not held again
     serve_after_round(SimpleNamespace(averager=None))  # type: ignore[arg-type]
 
 

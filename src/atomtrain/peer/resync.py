@@ -21,26 +21,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVE_WAIT_S = 10.0
-"""A state asked for while this peer's round runs with its group is served once that round is
-applied or lost, waiting at most this long (and a third of the asker's download timeout)."""
+"""A state asked for while this peer's round runs with its group is served once the training
+thread has taken that round's result in, waiting at most this long (and a third of this peer's
+state_timeout_s)."""
 
 
 def serve_after_round(peer: PeerRuntime) -> None:
     """Hold a state download while this peer's round is under way with its group (matchmaking
-    over), until the training thread has applied or lost it (SERVE_WAIT_S at most): the asker
-    is in no group of this round, so the state from before it was one round behind by the time
-    it came back. (bench attack, run E, sign flip seeds 1 and 2: the flipper, left out by one
-    honest peer, found itself out of sync, downloaded, and came back one round behind 14 and 10
-    times, as the three honest peers' round landed while it downloaded; each time it spoiled the
-    next round of the two others, which the quorum refused.) Called from hivemind's thread
-    that serves states, in this process; a round still matchmaking is not waited for (the asker
-    may yet join it)."""
+    over), until the training thread has taken its result in (`rounds_ended`: applied, lost, or
+    this peer out of sync), SERVE_WAIT_S at most, once per round (a round that outlasts the
+    wait holds no later asker again). The asker is in no group of this round, so the state from
+    before it was one round behind by the time it came back. (bench attack, run E, sign flip
+    seeds 1 and 2: the flipper, left out by one honest peer, found itself out of sync,
+    downloaded, and came back one round behind 14 and 10 times, as the three honest peers' round
+    landed while it downloaded; each time it spoiled the next round of the two others, which the
+    quorum refused.) Called from hivemind's one thread that serves states, in this process (an
+    asker queued behind a held one waits for it too). A round still matchmaking is not waited
+    for: it may find no group for a while, or none."""
     av = peer.averager
     if av is None or not (av.running and av.group_found()):
         return
-    before = (peer.round, peer.failed_rounds)
+    before = peer.rounds_ended
+    if peer.serve_gave_up_at == before:
+        return
     deadline = time.monotonic() + min(SERVE_WAIT_S, peer.cfg.state_timeout_s / 3)
-    while time.monotonic() < deadline and av.running and (peer.round, peer.failed_rounds) == before:
+    while peer.rounds_ended == before:
+        if time.monotonic() >= deadline:
+            peer.serve_gave_up_at = before
+            return
         time.sleep(0.02)
 
 

@@ -151,6 +151,8 @@ class PeerRuntime:
         self.last_round_bytes = 0.0
         self.last_matchmaking_s = 0.0
         self.outcomes: deque[bool] = deque(maxlen=20)  # applied or not, of the last rounds
+        self.rounds_ended = 0  # rounds whose result the training thread has taken in
+        self.serve_gave_up_at: int | None = None  # rounds_ended a state served waited out
         self._looking_since = 0.0
         self._group_found_at = 0.0
         self._traffic_at_start = (0.0, 0.0)
@@ -482,8 +484,9 @@ class PeerRuntime:
             result = av.result()
         except RoundFailed as e:
             self._lose_round(str(e), record)
-            return
-        self._apply(result, record)
+        else:
+            self._apply(result, record)
+        self.rounds_ended += 1  # applied, lost, or this peer out of sync: its state is final
 
     def _lose_round(self, why: str, record: dict[str, Any]) -> None:
         """Nothing applied: the progress stays in the model and goes with the next round."""
