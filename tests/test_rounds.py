@@ -551,6 +551,7 @@ def test_a_state_asked_for_during_a_round_with_its_group_is_served_once_it_lands
         def __init__(self, ends: int | None, running=True, found=True, timeout_s=30.0) -> None:
             self.looks, self.ends, self.ended = 0, ends, 0
             self.serve_gave_up_at: int | None = None
+            self.last_round_s = 60.0
             self.cfg = SimpleNamespace(state_timeout_s=timeout_s)
             self.averager = SimpleNamespace(running=running, group_found=lambda: found)
 

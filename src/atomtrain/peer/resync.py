@@ -44,7 +44,10 @@ def serve_after_round(peer: PeerRuntime) -> None:
     before = peer.rounds_ended
     if peer.serve_gave_up_at == before:
         return
-    deadline = time.monotonic() + min(SERVE_WAIT_S, peer.cfg.state_timeout_s / 3)
+    # at most this peer's last landed round's whole time: a round held by a staller lasts to the
+    # timeouts, and a download waiting on it kept its asker out of rounds (bench attack: 9 s)
+    most = min(SERVE_WAIT_S, peer.cfg.state_timeout_s / 3, peer.last_round_s)
+    deadline = time.monotonic() + most
     while peer.rounds_ended == before:
         if time.monotonic() >= deadline:
             peer.serve_gave_up_at = before
