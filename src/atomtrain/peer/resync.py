@@ -22,14 +22,14 @@ log = logging.getLogger(__name__)
 
 SERVE_WAIT_S = 10.0
 """A state asked for while this peer's round runs with its group is served once the training
-thread has taken that round's result in, waiting at most this long (and a third of this peer's
-state_timeout_s)."""
+thread has taken that round's result in, waiting at most this long, a third of this peer's
+state_timeout_s, and the whole time of this peer's last landed round (none before one)."""
 
 
 def serve_after_round(peer: PeerRuntime) -> None:
     """Hold a state download while this peer's round is under way with its group (matchmaking
     over), until the training thread has taken its result in (`rounds_ended`: applied, lost, or
-    this peer out of sync), SERVE_WAIT_S at most, once per round (a round that outlasts the
+    this peer out of sync), SERVE_WAIT_S and its last round's time at most, once per round (a round that outlasts the
     wait holds no later asker again). The asker is in no group of this round, so the state from
     before it was one round behind by the time it came back. (bench attack, run E, sign flip
     seeds 1 and 2: the flipper, left out by one honest peer, found itself out of sync,
