@@ -29,8 +29,8 @@ state_timeout_s, and the whole time of this peer's last landed round (none befor
 def serve_after_round(peer: PeerRuntime) -> None:
     """Hold a state download while this peer's round is under way with its group (matchmaking
     over), until the training thread has taken its result in (`rounds_ended`: applied, lost, or
-    this peer out of sync), SERVE_WAIT_S and its last round's time at most, once per round (a round that outlasts the
-    wait holds no later asker again). The asker is in no group of this round, so the state from
+    this peer out of sync), SERVE_WAIT_S and its last round's time at most, once per round (a
+    round that outlasts the wait holds no later asker again). The asker is in no group of this round, so the state from
     before it was one round behind by the time it came back. (bench attack, run E, sign flip
     seeds 1 and 2: the flipper, left out by one honest peer, found itself out of sync,
     downloaded, and came back one round behind 14 and 10 times, as the three honest peers' round
