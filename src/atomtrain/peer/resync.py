@@ -30,14 +30,14 @@ def serve_after_round(peer: PeerRuntime) -> None:
     """Hold a state download while this peer's round is under way with its group (matchmaking
     over), until the training thread has taken its result in (`rounds_ended`: applied, lost, or
     this peer out of sync), SERVE_WAIT_S and its last round's time at most, once per round (a
-    round that outlasts the wait holds no later asker again). The asker is in no group of this round, so the state from
-    before it was one round behind by the time it came back. (bench attack, run E, sign flip
-    seeds 1 and 2: the flipper, left out by one honest peer, found itself out of sync,
-    downloaded, and came back one round behind 14 and 10 times, as the three honest peers' round
-    landed while it downloaded; each time it spoiled the next round of the two others, which the
-    quorum refused.) Called from hivemind's one thread that serves states, in this process (an
-    asker queued behind a held one waits for it too). A round still matchmaking is not waited
-    for: it may find no group for a while, or none."""
+    round that outlasts the wait holds no later asker again). The asker is in no group of this
+    round, so the state from before it was one round behind by the time it came back. (bench
+    attack, run E, sign flip seeds 1 and 2: the flipper, left out by one honest peer, found
+    itself out of sync, downloaded, and came back one round behind 14 and 10 times, as the three
+    honest peers' round landed while it downloaded; each time it spoiled the next round of the
+    two others, which the quorum refused.) Called from hivemind's one thread that serves states,
+    in this process (an asker queued behind a held one waits for it too). A round still
+    matchmaking is not waited for: it may find no group for a while, or none."""
     av = peer.averager
     if av is None or not (av.running and av.group_found()):
         return
