@@ -576,6 +576,11 @@ def test_a_state_asked_for_during_a_round_with_its_group_is_served_once_it_lands
     p.averager.running, looks = True, p.looks
     serve_after_round(p)  # type: ignore[arg-type]
     assert p.looks == looks + 1  # the same round: a later asker is not held again
+    for last_round_s in (0.15, 0.0):  # no longer than this peer's last round; none before one
+        p = Peer(ends=None)
+        p.last_round_s = last_round_s
+        serve_after_round(p)  # type: ignore[arg-type]
+        assert p.serve_gave_up_at == 0 and p.ended == 0
     serve_after_round(SimpleNamespace(averager=None))  # type: ignore[arg-type]
 
 
