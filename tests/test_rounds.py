@@ -581,6 +581,7 @@ def test_a_state_asked_for_during_a_round_with_its_group_is_served_once_it_lands
         p.last_round_s = last_round_s
         serve_after_round(p)  # type: ignore[arg-type]
         assert p.serve_gave_up_at == 0 and p.ended == 0
+        assert p.looks < 100  # (polled every 20 ms: 10 s would be 500 looks)
     serve_after_round(SimpleNamespace(averager=None))  # type: ignore[arg-type]
 
 
