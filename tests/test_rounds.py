@@ -664,7 +664,7 @@ def last_rounds(outcomes: list[bool], others_done_after: int = 99) -> tuple[int,
     peer = SimpleNamespace(
         cfg=SimpleNamespace(state_timeout_s=1.0, final_wait_s=1.0),
         resync=SimpleNamespace(pending=None),
-        averager=object(),
+        averager=SimpleNamespace(running=False),  # no round open as the peer finished
         dht=object(),
         presence=SimpleNamespace(live_others=lambda: [other()]),
         _poll=poll,
@@ -700,6 +700,62 @@ def test_a_last_round_that_did_not_land_is_tried_again_before_ending_on_the_sync
     assert last_rounds([False] * tries) == (tries, ["end_on_sync", "linger"])
     # the other finisher is past its last round: no more tries
     assert last_rounds([False, True], others_done_after=1) == (1, ["end_on_sync", "linger"])
+
+
+def end_open_round(group_found: bool, training_reads: int) -> tuple[list[str], int]:
+    """A finisher's round still open as it finished its steps, beside one other peer that says
+    it is training for its first `training_reads` status reads, finishing after: what befell
+    the round, and how many times the finisher read the others' statuses."""
+    from types import SimpleNamespace
+
+    from atomtrain.peer.finish import Finisher
+
+    did: list[str] = []
+    reads: list[int] = []
+
+    class Averager:
+        running = True
+
+        def done(self):
+            return False
+
+        def group_found(self):
+            return group_found
+
+        def cancel(self):
+            did.append("cancel")
+            self.running = False
+
+    def live_others():
+        reads.append(1)
+        assert len(reads) < 20, "the round was never given up"
+        return [SimpleNamespace(peer_id="b", finishing=len(reads) > training_reads)]
+
+    peer = SimpleNamespace(
+        averager=Averager(),
+        presence=SimpleNamespace(live_others=live_others),
+        _poll=lambda record, wait: did.append("waited for it"),
+        _lose_round=lambda why, record: did.append("lost"),
+        rounds_ended=0,
+    )
+    Finisher(peer)._end_open_round({})
+    assert peer.rounds_ended == (1 if "lost" in did else 0)  # a state asked for is served then
+    return did, len(reads)
+
+
+def test_a_finisher_gives_up_its_open_round_once_no_other_peer_can_join_it(monkeypatch):
+    """At the end of a run the other finishers join no round of this one's (they wait for its
+    word that it is finishing): a round of its still looking for its group is lost as soon as
+    every other live peer is finishing, not waited for to its timeout (the README's two
+    machines each waited 30 s at their end for it). One that found its group is waited for:
+    its all-reduce goes on in hivemind's process whatever this one does."""
+    from atomtrain.peer import finish
+
+    monkeypatch.setattr(finish.time, "sleep", lambda s: None)
+    assert end_open_round(group_found=False, training_reads=0) == (["cancel", "lost"], 1)
+    # while another peer trains, its round may still find it
+    assert end_open_round(group_found=False, training_reads=3) == (["cancel", "lost"], 4)
+    assert end_open_round(group_found=True, training_reads=0) == (["waited for it"], 0)
 
 
 def test_an_overlapped_round_trains_on_from_its_share_and_lands_where_the_plain_rule_does():

@@ -38,9 +38,7 @@ class Finisher:
         """Finish the running round; wait (bounded) until every live peer is finishing too, then
         all average their parameters in one last round and end up with the same ones."""
         peer = self.peer
-        # Let the open round end on its own (bounded by its timeouts). Cancelling it is not
-        # enough: an all-reduce already under way goes on in hivemind's process.
-        peer._poll(record, wait=True)
+        self._end_open_round(record)
         deadline = time.time() + peer.cfg.state_timeout_s
         while peer.resync.pending is not None and time.time() < deadline:
             peer.resync.poll(record)
@@ -83,6 +81,23 @@ class Finisher:
             self._linger()
         else:
             self._adopt_final_state(record, smallest)
+
+    def _end_open_round(self, record: dict[str, Any]) -> None:
+        """Let the open round end on its own (bounded by its timeouts): cancelling one that has
+        found its group is not enough, as its all-reduce goes on in hivemind's process. One
+        still looking for its group is given up once every other live peer is finishing: none
+        of them will join it (they wait for this one's word that it is finishing, which came
+        only after the round's timeout: 30 s at the end of every run by default)."""
+        peer = self.peer
+        av = peer.averager
+        while av is not None and av.running and not av.done() and not av.group_found():
+            if all(s.finishing for s in peer.presence.live_others()):
+                av.cancel()
+                peer._lose_round("no peer is left to join it: every other one is finishing", record)
+                peer.rounds_ended += 1
+                return
+            time.sleep(0.25)
+        peer._poll(record, wait=True)
 
     def _another_done(self) -> bool:
         """Another finisher is past its last round (it landed, or ended on a state), after the
