@@ -13,14 +13,12 @@ peak and a plan that would exceed `budget_bytes` fails loudly instead of silentl
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -30,57 +28,25 @@ from torch.func import functional_call
 from atomtrain.engine.blocks import (
     BlockProxy,
     FetchParam,
-    HostCopies,
     OutputLayout,
     SwappedBlock,
     check_inputs,
     join_output,
-    snapshot,
-    split_output,
-    storage_bytes,
-    view_of,
 )
+from atomtrain.engine.calls import CalledModel, ModelCall, default_call, extract_loss
 from atomtrain.engine.compiled import BlockCall, BlockCompiler, CompileConfig, eager_call
 from atomtrain.engine.layout import BlockLayout, find_blocks
 from atomtrain.engine.memory import DeviceMemory, count_saved_bytes, tensor_bytes
-from atomtrain.engine.plan import ExecutionPlan, Policy
+from atomtrain.engine.passes import backward_block, forward_block
+from atomtrain.engine.plan import ExecutionPlan
+from atomtrain.engine.replay import autocast
 from atomtrain.engine.transfer import Copier, Loaded, PinnedPool, Trace, copy_grads_to_host
 from atomtrain.errors import AtomError
 from atomtrain.optim.scaler import PRECISIONS
 
+__all__ = ["EngineConfig", "ModelCall", "SwapEngine", "default_call", "extract_loss"]
+
 log = logging.getLogger(__name__)
-
-ModelCall = Callable[[nn.Module, torch.Tensor, torch.Tensor], Any]
-
-
-def default_call(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Any:
-    return model(x, y)
-
-
-class _Called(nn.Module):
-    """The model as `call` invokes it, so `functional_call` can swap in the outer part's device
-    copies (names gain a `model.` prefix) whatever the model's own signature."""
-
-    def __init__(self, model: nn.Module, call: ModelCall) -> None:
-        super().__init__()
-        self.model = model
-        self.call = call
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
-        return self.call(self.model, x, y)
-
-
-def extract_loss(out: Any) -> torch.Tensor:
-    """The loss from a model's output: `(logits, loss)`, an object with `.loss`, or a dict."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict) and "loss" in out:
-        return out["loss"]
-    if hasattr(out, "loss"):
-        return out.loss
-    if isinstance(out, tuple | list) and len(out) >= 2 and isinstance(out[1], torch.Tensor):
-        return out[1]
-    raise AtomError(f"cannot find a loss in the model's output ({type(out).__name__})")
 
 
 @dataclass(frozen=True)
@@ -119,7 +85,7 @@ class SwapEngine:
         self.plan = plan
         self.cfg = cfg
         self.device = device
-        self._called = _Called(model, call)
+        self._called = CalledModel(model, call)
         if cfg.precision not in PRECISIONS:
             raise AtomError(
                 f"engine.precision must be one of {', '.join(PRECISIONS)}, got {cfg.precision!r}"
@@ -453,142 +419,14 @@ class SwapEngine:
         return {t.untyped_storage().data_ptr() for t in params.values()}
 
     def _forward_block(self, ctx: Any, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        i = ctx.i
-        policy = self.plan.submodels[self.sub_of[i]].policy
-        ctx.x_requires_grad = x.requires_grad
-        ctx.x_bytes = x.numel() * x.element_size()
-        if policy is Policy.RECOMPUTE:
-            # What the block may mutate (a cache in its keyword arguments) as it is now: the
-            # recompute replays on a copy of this, not on the live object.
-            ctx.args = snapshot((ctx.rest, ctx.kwargs))
-            ctx.rng = self._rng_state()
-            ctx.x, ctx.saved_bytes = x.detach(), x.numel() * x.element_size()
-            self.memory.reserve(ctx.saved_bytes, f"input of block {i}")
-            diff, layout = split_output(self._call(i, x, ctx.rest, ctx.kwargs))
-            self._outputs[i] = layout
-            return tuple(diff)
-        params = self._param_storages(i)
-        offload = HostCopies() if policy is Policy.OFFLOAD else None
-        counted = [0]
-        seen: set[int] = set()
-        alive: list[torch.UntypedStorage] = []
-
-        def pack(t: torch.Tensor) -> Any:
-            ptr = t.untyped_storage().data_ptr()
-            view = (tuple(t.shape), t.stride(), t.storage_offset())
-            if ptr in params:  # a parameter: resolved against the reloaded copy at backward
-                return ("param", (self._local_of(i, t), view))
-            if offload is not None:  # one host copy per storage, however many views
-                if ptr not in offload.host:
-                    offload.host[ptr] = self._copy_to_host(storage_bytes(t))
-                    # Held until the block's forward ends, so that no later tensor of this
-                    # forward reuses the address and is taken for a view of this one.
-                    alive.append(t.untyped_storage())
-                return ("host", (ptr, t.dtype, view))
-            if ptr not in seen:
-                seen.add(ptr)
-                counted[0] += t.untyped_storage().nbytes()
-            return ("device", t)
-
-        unpack = partial(self._unpack, i, offload)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            xd = x.detach().requires_grad_(x.requires_grad)
-            diff, layout = split_output(self._call(i, xd, ctx.rest, ctx.kwargs, fetched=True))
-        alive.clear()
-        self._outputs[i] = layout
-        self.memory.reserve(counted[0], f"kept activations of block {i}")
-        ctx.kept, ctx.saved_bytes, ctx.offload = (xd, diff), counted[0], offload
-        return tuple(t.detach() for t in diff)
-
-    def _local_of(self, i: int, t: torch.Tensor) -> str:
-        ptr = t.untyped_storage().data_ptr()
-        return next(
-            n for n, d in self._device_tensors(i).items() if d.untyped_storage().data_ptr() == ptr
-        )
-
-    def _unpack(self, i: int, offload: HostCopies | None, packed: Any) -> torch.Tensor:
-        kind, value = packed
-        if kind == "device":
-            return value
-        if kind == "param":  # the same view, of the copy resident now
-            local, (shape, stride, offset) = value
-            return self._device_tensor(i, local).as_strided(shape, stride, offset)
-        assert offload is not None
-        ptr, dtype, view = value
-        restored = offload.restored.get(ptr)
-        if restored is None:  # the storage comes back once, shared by its views
-            restored = offload.host[ptr].result().to(self.device, copy=True)
-            nbytes = restored.numel()
-            self.memory.reserve(nbytes, f"restored activations of block {i}")
-            offload.restored_bytes += nbytes
-            offload.restored[ptr] = restored
-        return view_of(restored, dtype, view)
+        """`SwappedBlock`'s forward (passes.py)."""
+        return forward_block(self, ctx, x)
 
     def _backward_block(
         self, ctx: Any, grads: tuple[torch.Tensor | None, ...]
     ) -> torch.Tensor | None:
-        i = ctx.i
-        k = self.sub_of[i]
-        sub = self.plan.submodels[k]
-        if i == sub.end - 1:
-            self._boundary(f"backward {k}")
-            self._acquire(k)
-            self.trace.record("bwd_start", k)
-            if k > 0:
-                self._prefetch(k - 1)
-        self.memory.reserve(self.block_grad_bytes[i], f"gradients of block {i}")
-        self._held_grad_bytes[k] += self.block_grad_bytes[i]
-        # The activation gradients flowing through the block: what comes in, what goes out.
-        act = sum(g.numel() * g.element_size() for g in grads if g is not None)
-        act += ctx.x_bytes
-        self.memory.reserve(act, f"activation gradients of block {i}")
-        if sub.policy is Policy.RECOMPUTE:
-            xd = self._restore_input(ctx)
-            rest, kwargs = snapshot(ctx.args)  # a fresh copy: the snapshot stays as it was
-            ctx.args = None
-            with (
-                torch.enable_grad(),
-                self._replay_rng(ctx.rng),
-                self._autocast(),
-                count_saved_bytes(self._param_storages(i)) as work,
-            ):
-                outs, _ = split_output(self._call(i, xd, rest, kwargs))
-            self.memory.reserve(work[0], f"recomputed activations of block {i}")
-            try:
-                _backward(outs, grads)
-            finally:
-                self._release(work[0])
-        else:
-            xd, outs = ctx.kept
-            ctx.kept = None
-            try:
-                _backward(outs, grads)
-            finally:
-                if ctx.offload is not None:
-                    self._release(ctx.offload.restored_bytes)
-                    ctx.offload = None
-        self._release(ctx.saved_bytes)
-        self._release(act)
-        gx = xd.grad
-        self._offload_block_grads(i, k)
-        if i == sub.start:
-            # Bound device gradients to one sub-model's worth before the next one starts;
-            # released here, in program order, so the accounted peak does not depend on when
-            # the copy thread got to them.
-            for f in self._grad_futures[k]:
-                f.result()
-            self._release(self._held_grad_bytes.pop(k))
-            self.trace.record("bwd_end", k)
-            if not (k == 0 and self._keep_first):
-                self._evict(k)
-            if self._final_pass and self.on_grads_ready is not None:
-                self.on_grads_ready(k, list(self._grad_futures[k]))
-        return gx
-
-    def _restore_input(self, ctx: Any) -> torch.Tensor:
-        x = ctx.x
-        ctx.x = None
-        return x.detach().requires_grad_(ctx.x_requires_grad)
+        """`SwappedBlock`'s backward (passes.py)."""
+        return backward_block(self, ctx, grads)
 
     def _offload_block_grads(self, i: int, k: int) -> None:
         params = self.resident[k].blocks[i - self.plan.submodels[k].start]
@@ -638,31 +476,7 @@ class SwapEngine:
 
     def _autocast(self) -> Any:
         """The forward's autocast, also around a recompute (which runs in the backward)."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def _rng_state(self) -> tuple | None:
-        if not self.model.training:
-            return None
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda
-
-    def _replay_rng(self, state: tuple | None) -> Any:
-        if state is None:
-            return contextlib.nullcontext()
-        cpu, cuda = state
-        devices = [self.device] if self.device.type == "cuda" else []
-
-        @contextlib.contextmanager
-        def replay():
-            with torch.random.fork_rng(devices=devices):
-                torch.set_rng_state(cpu)
-                if cuda is not None:
-                    torch.cuda.set_rng_state(cuda, self.device)
-                yield
-
-        return replay()
+        return autocast(self.device, self.autocast_dtype)
 
     def close(self) -> None:
         self.finish_step()
@@ -672,10 +486,3 @@ class SwapEngine:
         self.pending.clear()
         self.copier.close()
         self.offloader.shutdown(wait=True)
-
-
-def _backward(outs: list[torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> None:
-    """Backward from every output that got a gradient and has a graph."""
-    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
