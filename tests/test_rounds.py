@@ -17,6 +17,7 @@ from atomtrain.optim import AdamW, AdamWConfig
 from atomtrain.peer.layout import Sketcher, cut_pieces, flatten
 from atomtrain.peer.rounds import apply_outer_step, move_to, shift_to_own_share
 from atomtrain.peer.runtime import PeerRuntime
+from atomtrain.peer.state_io import take_state
 from atomtrain.peer.status import PeerStatus
 from atomtrain.train.runner import PlainRunner
 from atomtrain.train.trainer import TrainState
@@ -244,7 +245,7 @@ def test_a_downloaded_state_sets_the_schedule_where_the_swarm_stands_not_where_i
         held = [b.peer.theta_sync.clone(), b.peer.outer.buf.clone()]
     for served in (10**9, -5, "x", None):  # what a serving peer may claim
         b.peer.presence.known_others = others
-        b.peer._load({"round": b.peer.round, "step": served}, held, mode="resync")
+        take_state(b.peer, {"round": b.peer.round, "step": served}, held, mode="resync")
         assert b.state.step + b.state.schedule_offset == swarm_step
         assert b.peer._schedule_step == swarm_step
 
@@ -501,7 +502,7 @@ def test_a_resync_moves_the_weight_average_with_the_weights():
     )
     new = torch.randn(57, generator=g)
     before = flatten(params, pieces)
-    PeerRuntime._load(peer, {"round": 3}, [new, torch.zeros(57)], mode="resync")
+    take_state(peer, {"round": 3}, [new, torch.zeros(57)], mode="resync")  # type: ignore[arg-type]
     moved = flatten(params, pieces) - before
     torch.testing.assert_close(moved, new - (before - 0.5))
     for name in params:

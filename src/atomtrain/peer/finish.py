@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from atomtrain.peer.layout import digest, param_slice
 from atomtrain.peer.presence import PUBLISH_EVERY_S
+from atomtrain.peer.state_io import take_state
 from atomtrain.peer.status import PeerStatus
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class Finisher:
         if problem is not None:
             log.warning("could not catch up with the swarm before the last round: %s", problem)
             return
-        peer._load(state[0], list(state[1]), mode="resync")
+        take_state(peer, state[0], list(state[1]), mode="resync")
         record["resynchronized"] = True
         log.info("caught up at round %d before the last round", peer.round)
 
@@ -162,7 +163,7 @@ class Finisher:
         if problem is not None:
             log.warning("left out of the last round and took no result: %s", problem)
             return
-        peer._load(state[0], list(state[1]), mode="replace")
+        take_state(peer, state[0], list(state[1]), mode="replace")
         record["adopted_final_state"] = True
         log.info(
             "left out of the last round; took its result (parameters %s)",

@@ -1,6 +1,7 @@
 """Catching up with the swarm's state: a joiner downloads it as it starts, unless it holds it
 already, and a member whose synchronized parameters differ from its group's downloads it in the
-background and moves to it, keeping its local progress (training goes on meanwhile)."""
+background and moves to it, keeping its local progress (training goes on meanwhile). And this
+peer's state served to those that download it, after its round in flight lands."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 from hivemind.utils import get_dht_time
 
 from atomtrain.peer.agreement import agreement_key, members_only, parse_records
+from atomtrain.peer.download import ZERO_MOMENTUM
 from atomtrain.peer.layout import digest
 from atomtrain.peer.state import StateCheck, download_sources, resync_floor
+from atomtrain.peer.state_io import take_state
 
 if TYPE_CHECKING:
     from atomtrain.peer.averaging import RoundResult
@@ -55,6 +59,21 @@ def serve_after_round(peer: PeerRuntime) -> None:
         time.sleep(0.02)
 
 
+def served_state(peer: PeerRuntime) -> tuple[dict, list[torch.Tensor]]:
+    """What a joiner downloads: synchronized parameters, outer momentum, round, schedule.
+    A momentum of zeros (outer momentum 0: plain averaging) is named, not sent, which
+    halves the download (download.py puts it back). Served after this peer's round under
+    way, if any (serve_after_round)."""
+    serve_after_round(peer)
+    with peer.lock:
+        theta, momentum = peer.theta_sync.clone(), peer.outer.buf.clone()
+        meta = {"round": peer.round, "numel": peer.numel, "step": peer._schedule_step}
+    log.info("served the state of round %d (parameters %s)", meta["round"], digest(theta))
+    if not bool(momentum.view(torch.int32).any()):  # every bit zero (no -0.0 either)
+        return {**meta, "momentum": ZERO_MOMENTUM}, [theta]
+    return meta, [theta, momentum]
+
+
 class Resync:
     def __init__(self, peer: PeerRuntime) -> None:
         self.peer = peer
@@ -93,7 +112,7 @@ class Resync:
             state = peer.averager.download_state(peer.cfg.state_timeout_s, sources)
             problem = peer.checker.problem(state, min_round=swarm_round - 1)
             if problem is None:
-                peer._load(state[0], list(state[1]), mode="replace")
+                take_state(peer, state[0], list(state[1]), mode="replace")
                 log.info(
                     "joined at round %d with the swarm's parameters (parameters %s)",
                     peer.round,
@@ -161,6 +180,6 @@ class Resync:
         if problem is not None:
             log.warning("re-synchronization failed (%s); trying again after a round", problem)
             return
-        peer._load(state[0], list(state[1]), mode="resync")
+        take_state(peer, state[0], list(state[1]), mode="resync")
         record["resynchronized"] = True
         log.info("re-synchronized at round %d (parameters %s)", peer.round, digest(peer.theta_sync))

@@ -39,30 +39,27 @@ import torch
 from hivemind import DHT
 
 from atomtrain.config import PeerSection
-from atomtrain.errors import AtomError
 from atomtrain.peer.attack import check_attack, claimed_tokens, poison, stall_rounds
 from atomtrain.peer.auth import MemberGate, Membership, declare_member, load_membership
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed, RoundResult
 from atomtrain.peer.bounds import Defence
 from atomtrain.peer.clock import RoundClock, next_slot
-from atomtrain.peer.download import ZERO_MOMENTUM
+from atomtrain.peer.figures import note_rejections, record_landed
 from atomtrain.peer.finish import Finisher
 from atomtrain.peer.hygiene import start_watchdog
-from atomtrain.peer.layout import Sketcher, assign, cut_pieces, digest, flatten
+from atomtrain.peer.layout import Sketcher, cut_pieces, digest, flatten
 from atomtrain.peer.outer import OuterNesterov
 from atomtrain.peer.presence import Presence
 from atomtrain.peer.protocol import averaging_prefix, protocol_tag
-from atomtrain.peer.resync import Resync, serve_after_round
+from atomtrain.peer.resync import Resync, served_state
 from atomtrain.peer.rounds import (
     Contribution,
     apply_outer_step,
-    move_to,
-    own_share_step,
-    shift_by,
     shift_to_own_share,
     write_contribution,
 )
-from atomtrain.peer.state import StateCheck, swarm_schedule_step
+from atomtrain.peer.state import StateCheck
+from atomtrain.peer.state_io import checkpoint_state, take_state
 from atomtrain.peer.sync import group_live, needed_in_sync, why_not_applied
 from atomtrain.peer.wire import WireMeter, daemon_meter
 from atomtrain.train.metrics import MetricsLog
@@ -214,7 +211,7 @@ class PeerRuntime:
             self.cfg.matchmaking_s,
             self.cfg.averaging_timeout_s,
             self.cfg.target_group_size,
-            self._shared_state,
+            partial(served_state, self),
             MemberGate(self.membership, self.cfg.swarm),
             Defence(min_scale=self.lr * MIN_SCALE_STEPS, audit=self.cfg.audit)
             if self.cfg.defend
@@ -224,7 +221,7 @@ class PeerRuntime:
         )
         self.checker = StateCheck(self)
         if resumed is not None:
-            self._load(resumed["meta"], resumed["tensors"], mode="resume")
+            take_state(self, resumed["meta"], resumed["tensors"], mode="resume")
             log.info("resumed at round %d from the checkpoint", self.round)
         if initial:
             self.resync.catch_up()
@@ -250,77 +247,9 @@ class PeerRuntime:
         held += self.averager.held_bytes()
         return held / (4 * self.numel)
 
-    def _shared_state(self) -> tuple[dict, list[torch.Tensor]]:
-        """What a joiner downloads: synchronized parameters, outer momentum, round, schedule.
-        A momentum of zeros (outer momentum 0: plain averaging) is named, not sent, which
-        halves the download (download.py puts it back). Served after this peer's round under
-        way, if any (resync.serve_after_round)."""
-        serve_after_round(self)
-        with self.lock:
-            theta, momentum = self.theta_sync.clone(), self.outer.buf.clone()
-            meta = {"round": self.round, "numel": self.numel, "step": self._schedule_step}
-        log.info("served the state of round %d (parameters %s)", meta["round"], digest(theta))
-        if not bool(momentum.view(torch.int32).any()):  # every bit zero (no -0.0 either)
-            return {**meta, "momentum": ZERO_MOMENTUM}, [theta]
-        return meta, [theta, momentum]
-
-    def _load(self, meta: dict, tensors: list[torch.Tensor], mode: str) -> None:
-        """Take a state. `resume`: a checkpoint's (the model is already loaded); `replace`: a
-        download the model moves to (joining, or the last round's result); `resync`: a download
-        the model moves to keeping the local progress it made since its own last sync."""
-        if len(tensors) != 2 or any(t.numel() != self.numel for t in tensors):
-            raise AtomError("peer state does not match this model's parameters")
-        params = self.runner.host_parameters()
-        with self.lock:
-            new = tensors[0].float().reshape(-1)
-            if mode == "resync":
-                self.on_moved(partial(shift_by, pieces=self.pieces, theta=self.theta_sync, new=new))
-                move_to(params, self.pieces, self.theta_sync, new)
-            else:
-                self.theta_sync.copy_(new)
-            if mode == "replace":
-                assign(params, self.pieces, self.theta_sync)
-            self.outer.buf.copy_(tensors[1].float().reshape(-1))
-            self.round = int(meta["round"])
-            self.presence.round_changed.set()
-            self._sketch = self.sketcher.of(self.theta_sync)
-        if mode == "resync":
-            self.runner.parameters_written()
-        elif mode != "resume":
-            self._weights_replaced()
-        if mode != "resume" and self.train_state is not None:
-            # the learning-rate schedule follows the swarm's progress, not this peer's steps:
-            # where the live members' schedules stand, not where the serving peer says
-            step = swarm_schedule_step(
-                meta.get("step"),
-                meta.get("round"),
-                self.presence.known_others,
-                self.total_steps,
-                self._schedule_step,
-            )
-            self.train_state.schedule_offset = step - self.train_state.step
-            self._schedule_step = step
-
     def extra_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """For checkpoints: round counter, synchronized parameters, outer momentum. Taken while
-        an overlapped round runs, the model holds that round's shift (rounds.py); the saved
-        synchronized parameters carry it too, so theta - x is still all the progress no landed
-        round holds, and a resumed peer sends it all."""
-        with self.lock:
-            theta = self.theta_sync.clone()
-            if self._share > 0 and self.averager is not None:
-                owns = self.averager.contributions()
-                for piece, own in zip(self.pieces, owns, strict=True):
-                    sl = slice(piece.offset, piece.offset + piece.numel)
-                    m = self.outer.buf[sl]
-                    e = own_share_step(
-                        own, m, self.cfg.outer_lr, self.cfg.outer_momentum, self._share
-                    )
-                    theta[sl].add_(own.float() - e)
-            return (
-                {"peer_round": self.round},
-                {"peer/theta_sync": theta, "peer/momentum": self.outer.buf.clone()},
-            )
+        """For checkpoints (state_io.checkpoint_state)."""
+        return checkpoint_state(self)
 
     # --- rounds ---------------------------------------------------------------------------------
 
@@ -349,7 +278,7 @@ class PeerRuntime:
                 self._start_round()
             if self.cfg.sync_mode == "blocking":  # synchronous DiLoCo: wait for the round
                 self._poll(record, wait=True)
-        self._note_rejections(record)
+        note_rejections(self, record)
         record["round"] = self.round
         record["sync_every"] = self.clock.sync_every
 
@@ -544,64 +473,9 @@ class PeerRuntime:
         self.last_sync = time.time()
         self.last_round_s = round_s
         self.outcomes.append(True)
-        self._record_landed(result, record, round_s)
-
-    def _record_landed(self, result: RoundResult, record: dict[str, Any], round_s: float) -> None:
-        """What a round that landed moved and took, into this step's record and the figures
-        the status publishes; the clock's period chosen from it."""
-        assert self.averager is not None
-        sent0, received0 = self._traffic_at_start
-        sent, received = self.averager.traffic.totals()
-        if self.wire is not None:  # everything since the last round: its share of the link
-            # as the status thread last read it (every PUBLISH_EVERY_S, and as a round lands):
-            # a netlink dump here would cost the training thread. So a round's figure may miss
-            # its last moments, which the next round's then holds: the mean over rounds holds
-            moved = sum(self.wire.last_totals())
-            self.last_round_bytes = moved - self._wire_at_last_round
-            self._wire_at_last_round = moved
-            record["wire_bytes"] = moved
-        else:  # the averager's messages only
-            self.last_round_bytes = (sent - sent0) + (received - received0)
-        found = self._group_found_at or time.perf_counter()
-        self.last_matchmaking_s = found - self._looking_since
-        record["averager_bytes"] = sent + received  # all rounds so far, failed ones too
-        record["round_sent_bytes"] = sent - sent0
-        record["round_received_bytes"] = received - received0
-        record["matchmaking_s"] = self.last_matchmaking_s
-        self.clock.choose_sync_every(result, round_s)
-        if result.group_size > 1 and self.first_contribution_s is None:
-            self.first_contribution_s = self.last_sync - self.started_at
-            record["first_contribution_s"] = self.first_contribution_s
-            record["first_contribution_since_join_s"] = self.last_sync - self.joined_at
-        record["group_size"] = result.group_size
-        record["group"] = sorted(str(g.get("name", ""))[:64] for g in result.peers)
-        self.last_group_ids = result.peer_ids
-        self.averager.left_out_ids -= set(result.peer_ids)  # back in a round that landed
-        record["round_s"] = round_s
-        record["round_attempts"] = self.averager.attempts
-        record["round_bytes"] = self.last_round_bytes
-        record["averaging_memory_ratio"] = self.averaging_memory_ratio()
-        log.debug("round %d applied with %d peers", self.round, result.group_size)
+        record_landed(self, result, record, round_s)
 
     # --- bookkeeping ------------------------------------------------------------------------------
-
-    def _note_rejections(self, record: dict[str, Any]) -> None:
-        if self.averager is None:
-            return
-        for peer, why in self.averager.rejections():  # names from rounds' metadata, no DHT call
-            if peer not in self.rejected:
-                self.rejected[peer] = why
-                log.warning(
-                    "rejected the contributions of %s (%s); ignoring it from now", peer, why
-                )
-        if self.rejected:
-            record["rejected_peers"] = sorted(self.rejected)
-        for peer, why in self.averager.stalls():  # excluded for a while, not banned
-            log.warning("left %s out of rounds for a while: it %s", peer, why)
-            record.setdefault("stalled_peers", []).append(peer)
-        for name, peer_id, cosine in self.averager.agreements():  # the opposing-update rule's
-            log.debug("%s's update against this peer's: cosine %.3f", name, cosine)
-            record.setdefault("agreement", []).append([name, peer_id, round(cosine, 4)])
 
     def _weights_replaced(self) -> None:
         """The model's weights were replaced, not moved by a round: the runner derives again
