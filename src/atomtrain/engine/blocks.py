@@ -2,7 +2,7 @@
 handling, and the offload of saved activations.
 
 A block may return any nest of tensors and other values (`(hidden, aux_loss)`, a cache, None):
-every floating-point tensor in it is an output of `_SwappedBlock`, so each gets its gradient (an
+every floating-point tensor in it is an output of `SwappedBlock`, so each gets its gradient (an
 auxiliary loss returned by a block trains its parameters). Keyword arguments may hold objects a
 block mutates (a transformers cache appends keys); a recomputing sub-model snapshots them before
 the forward and replays the backward on a fresh copy of that snapshot, never on the live object.
