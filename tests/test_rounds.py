@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -702,84 +701,6 @@ def test_a_last_round_that_did_not_land_is_tried_again_before_ending_on_the_sync
     assert last_rounds([False] * tries) == (tries, ["end_on_sync", "linger"])
     # the other finisher is past its last round: no more tries
     assert last_rounds([False, True], others_done_after=1) == (1, ["end_on_sync", "linger"])
-
-
-def end_open_round(
-    statuses: Callable[[int], list[bool]],
-    found_at: float = math.inf,
-    awaiting_trigger: bool = False,
-) -> tuple[list[str], int]:
-    """A finisher's round still open as it finished its steps. `statuses(n)`: what the n-th
-    read of the other live peers' statuses says (each one finishing or not; none: a read that
-    failed); the round finds its group during read `found_at` (and is done with it at once).
-    What befell the round, and how many times the finisher read the others' statuses."""
-    from types import SimpleNamespace
-
-    from atomtrain.peer.finish import Finisher
-
-    did: list[str] = []
-    reads: list[int] = []
-
-    class Averager:
-        running = True
-
-        def __init__(self):
-            self.awaiting_trigger = awaiting_trigger
-
-        def done(self):
-            return len(reads) >= found_at
-
-        def group_found(self):
-            return len(reads) >= found_at
-
-        def cancel(self):
-            did.append("cancel")
-            self.running = False
-
-    def live_others():
-        reads.append(1)
-        assert len(reads) < 20, "the round was never given up"
-        return [
-            SimpleNamespace(peer_id=f"p{i}", finishing=f)
-            for i, f in enumerate(statuses(len(reads)))
-        ]
-
-    peer = SimpleNamespace(
-        averager=Averager(),
-        presence=SimpleNamespace(live_others=live_others),
-        _poll=lambda record, wait: did.append("waited for it"),
-        _lose_round=lambda why, record: did.append("lost"),
-        rounds_ended=0,
-    )
-    Finisher(peer)._end_open_round({})
-    assert peer.rounds_ended == (1 if "lost" in did else 0)  # a state asked for is served then
-    return did, len(reads)
-
-
-def test_a_finisher_gives_up_its_open_round_once_no_other_peer_can_join_it(monkeypatch):
-    """At the end of a run the other finishers join no round of this one's (they wait for its
-    word that it is finishing): a round of its still looking for its group is lost once two
-    reads in a row say every other live peer is finishing, not waited for to its timeout (the
-    two machines of test_machines_started_as_the_readme_says_each_do_their_own_work waited 30 s
-    each at their end for it). A read with no one in it (failed) or with a peer still training
-    starts the count again. A round that found its group is waited for (its all-reduce goes on
-    in hivemind's process whatever this one does), even where it found it during the last read,
-    and so is a round prepared for a slot (`_poll` triggers it there)."""
-    from atomtrain.peer import finish
-
-    monkeypatch.setattr(finish.time, "sleep", lambda s: None)
-    reads = finish.FINISHING_READS
-    assert end_open_round(lambda n: [True, True]) == (["cancel", "lost"], reads)
-    # while another peer trains, its round may still find it; a failed read proves nothing
-    training = end_open_round(lambda n: [True, n > 3])
-    assert training == (["cancel", "lost"], 3 + reads)
-    assert end_open_round(lambda n: [True] if n > 3 else []) == (["cancel", "lost"], 3 + reads)
-    assert end_open_round(lambda n: [n != 2]) == (["cancel", "lost"], 2 + reads)
-    # it found its group: before any read, between reads, during the read that would give it up
-    for found_at in (0, 1, reads):
-        did, _ = end_open_round(lambda n: [True], found_at=found_at)
-        assert did == ["waited for it"], found_at
-    assert end_open_round(lambda n: [True], awaiting_trigger=True) == (["waited for it"], 0)
 
 
 def test_an_overlapped_round_trains_on_from_its_share_and_lands_where_the_plain_rule_does():

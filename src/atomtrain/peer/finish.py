@@ -23,9 +23,6 @@ FINAL_TRIES = 3
 peer's result): a member that stalled the last round (bench attack, one seed in three) left
 every honest peer with the synchronized parameters, their progress since the round before
 lost (validation 3.16 against 2.75 clean)."""
-FINISHING_READS = 2
-"""Reads in a row of the others' statuses, each saying all are finishing, before a finisher
-gives up a round still looking for its group (one read may be stale, or miss a peer)."""
 STATUS_DELAY_S = 2 * PUBLISH_EVERY_S
 """How long a finisher's status (done) may take to reach the others."""
 
@@ -42,7 +39,9 @@ class Finisher:
         """Finish the running round; wait (bounded) until every live peer is finishing too, then
         all average their parameters in one last round and end up with the same ones."""
         peer = self.peer
-        self._end_open_round(record)
+        # Let the open round end on its own (bounded by its timeouts). Cancelling it is not
+        # enough: an all-reduce already under way goes on in hivemind's process.
+        peer._poll(record, wait=True)
         deadline = time.time() + peer.cfg.state_timeout_s
         while peer.resync.pending is not None and time.time() < deadline:
             peer.resync.poll(record)
@@ -85,40 +84,6 @@ class Finisher:
             self._linger()
         else:
             self._adopt_final_state(record, smallest)
-
-    def _end_open_round(self, record: dict[str, Any]) -> None:
-        """Let the open round end on its own (bounded by its timeouts): cancelling one that has
-        found its group is not enough, as its all-reduce goes on in hivemind's process. One
-        still looking for its group is given up once two reads in a row of the other live
-        peers' statuses (none: a read that failed) say every one of them is finishing: none of
-        them will join it (they wait for this one's word that it is finishing, which came only
-        after the round's timeout: 30 s at the end of every run by default). A round prepared
-        for a slot is left to `_poll`, which triggers it there (it fails at its slot if it has
-        no group by then)."""
-        peer = self.peer
-        av = peer.averager
-
-        def looking() -> bool:
-            return (
-                av is not None
-                and av.running
-                and not av.awaiting_trigger
-                and not av.done()
-                and not av.group_found()
-            )
-
-        agreed = 0
-        while looking():
-            others = peer.presence.live_others()
-            agreed = agreed + 1 if others and all(s.finishing for s in others) else 0
-            if agreed >= FINISHING_READS and looking():  # (it may have found a group meanwhile)
-                assert av is not None
-                av.cancel()
-                peer._lose_round("no peer is left to join it: every other one is finishing", record)
-                peer.rounds_ended += 1
-                return
-            time.sleep(0.25)
-        peer._poll(record, wait=True)
 
     def _another_done(self) -> bool:
         """Another finisher is past its last round (it landed, or ended on a state), after the
