@@ -40,7 +40,11 @@ class Finisher:
         all average their parameters in one last round and end up with the same ones."""
         peer = self.peer
         # Let the open round end on its own (bounded by its timeouts). Cancelling it is not
-        # enough: an all-reduce already under way goes on in hivemind's process.
+        # enough: an all-reduce already under way goes on in hivemind's process. (A round still
+        # looking for its group as every other peer is finishing finds none and runs to its
+        # timeout, 30 s by default, at the end of most runs. Giving it up once the others'
+        # statuses all said finishing was tried and taken out, 880288c: in the churn scenario a
+        # read missed peers still training, and the finishers ended apart.)
         peer._poll(record, wait=True)
         deadline = time.time() + peer.cfg.state_timeout_s
         while peer.resync.pending is not None and time.time() < deadline:
