@@ -665,7 +665,7 @@ def last_rounds(outcomes: list[bool], others_done_after: int = 99) -> tuple[int,
     peer = SimpleNamespace(
         cfg=SimpleNamespace(state_timeout_s=1.0, final_wait_s=1.0),
         resync=SimpleNamespace(pending=None),
-        averager=SimpleNamespace(running=False),  # no round open as the peer finished
+        averager=object(),
         dht=object(),
         presence=SimpleNamespace(live_others=lambda: [other()]),
         _poll=poll,
