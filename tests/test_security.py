@@ -44,10 +44,12 @@ from atomtrain.peer.exact import (
 )
 from atomtrain.peer.exclusion import (
     FORGIVE_ROUNDS,
+    OPPOSED_COSINE,
     OPPOSED_EXCLUSION_ROUNDS,
     OPPOSED_SPAN_ROUNDS,
     OPPOSED_WITHIN,
     STALL_ROUNDS,
+    STRONGLY_OPPOSED_COSINE,
     LeftOut,
     exclusion_rounds,
     stalls_remembered,
@@ -1159,12 +1161,12 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
         for name, cos in cosines.items():
             ledger.reading(Peer(name), cos)
 
-    for cos in [-0.6, 0.5, 0.5, 0.5, -0.6, 0.0, -0.01, 0.05, -0.2]:  # opposing 4 rounds apart
+    for cos in [-0.45, 0.5, 0.5, 0.5, -0.45, 0.0, -0.01, 0.05, -0.2]:  # opposing 4 rounds apart
         round_(flipper=cos, honest=abs(cos) - 0.2, banned=-0.9)
     assert not named
-    round_(flipper=-0.5)
+    round_(flipper=-0.4)
     round_(flipper=0.6)  # agreeing between: still counted
-    round_(flipper=-0.5)
+    round_(flipper=-0.4)
     assert [peer for peer, _, _ in named] == ["flipper"] and "opposite" in named[0][1]
     assert named[0][2] == OPPOSED_EXCLUSION_ROUNDS  # left out longer than a staller
     assert flipper in ledger and flipper not in ledger._readings  # afresh once let back in
@@ -1179,7 +1181,7 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     assert ProbedAverager.rejections(avg) == []
     readings = ProbedAverager.agreements(avg)
     assert len(readings) == 9 * 3 + 5 and readings[-1] == ("mallory", "flipper", -0.9)
-    assert ("honest", "honest", pytest.approx(0.4)) in readings
+    assert ("honest", "honest", pytest.approx(0.25)) in readings
     assert ProbedAverager.agreements(avg) == []
     # failed rounds it was not in do not age a reading (bench attack: a flipper read -0.58,
     # then -0.41 four readings and more rounds later, was left out by that peer only 12 rounds
@@ -1192,7 +1194,7 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     )
     for gap, left_out in spans:
         drifter = f"drifter{gap}"
-        round_(**{drifter: -0.6})
+        round_(**{drifter: -0.45})
         for _ in range(gap - 1):
             round_(honest=0.5)
         round_(**{drifter: -0.5})
@@ -1206,35 +1208,62 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
     # the tries of one round read one update: an odd update read twice is one reading (opposed),
     # and agreeing tries push no opposed reading out of the window
     ledger.next_round()
-    ledger.reading(Peer("odd"), -0.5)
-    ledger.reading(Peer("odd"), -0.5)
+    ledger.reading(Peer("odd"), -0.4)
+    ledger.reading(Peer("odd"), -0.4)
     round_(odd=0.5)
     assert not named
     ledger.next_round()
     for _ in range(3):  # three tries of a round: one reading, not three
         ledger.reading(Peer("odd"), 0.5)
-    round_(odd=-0.5)  # the 4th reading: the first still counts
+    round_(odd=-0.4)  # the 4th reading: the first still counts
     assert [peer for peer, _, _ in named] == ["odd"]
     named.clear()
     # left out for a stall meanwhile, it keeps its readings: a stall does not start it afresh
-    round_(twice=-0.5)
+    round_(twice=-0.4)
     ledger.stall(Peer("twice"), "silent", first=1)
     named.clear()
     round_()
     round_()
     assert "twice" not in ledger
-    round_(twice=-0.5)
+    round_(twice=-0.4)
     assert [peer for peer, _, _ in named] == ["twice"]
     named.clear()
     # a newer reading keeps the member's readings; the old one past the span still drops out
-    round_(span=-0.6)
+    round_(span=-0.45)
     for _ in range(OPPOSED_SPAN_ROUNDS // 2 - 1):
         round_()
     round_(span=0.5)
     for _ in range(OPPOSED_SPAN_ROUNDS // 2 - 1):
         round_()
-    round_(span=-0.5)
+    round_(span=-0.4)
     assert not named
+
+
+def test_one_reading_far_below_leaves_a_member_out_at_once():
+    """A single reading below STRONGLY_OPPOSED_COSINE (a sign flipper's first rounds) leaves the
+    member out for OPPOSED_EXCLUSION_ROUNDS, named with its cosine, though its later readings
+    drift towards 0; a single reading between OPPOSED_COSINE and it does not, nor does the
+    worst honest reading kept (-0.44); a NaN cosine counts as far below."""
+    named: list[tuple[str, str, int]] = []
+    ledger = LeftOut(lambda peer, why, kind: None, lambda peer: False)
+    ledger.stall = lambda peer, why, first: named.append((peer, why, first))  # type: ignore
+
+    def round_(**cosines: float) -> None:
+        ledger.next_round()
+        for name, cos in cosines.items():
+            ledger.reading(name, cos)
+
+    assert STRONGLY_OPPOSED_COSINE < -0.44
+    round_(honest=-0.44, between=(STRONGLY_OPPOSED_COSINE + OPPOSED_COSINE) / 2)
+    for _ in range(OPPOSED_WITHIN):
+        round_(honest=0.1, between=-0.05)
+    assert not named
+    round_(flipper=STRONGLY_OPPOSED_COSINE - 0.01, honest=0.3)
+    assert [(p, f) for p, _, f in named] == [("flipper", OPPOSED_EXCLUSION_ROUNDS)]
+    assert f"cosine {STRONGLY_OPPOSED_COSINE - 0.01:.2f}" in named[0][1]
+    named.clear()
+    round_(broken=float("nan"))
+    assert [p for p, _, _ in named] == ["broken"]
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

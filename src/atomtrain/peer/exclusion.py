@@ -5,9 +5,9 @@ honest peer frozen for a while (or cut off), or an honest reducer whose own upda
 times the others', can look like a staller. A member is left out `STALL_ROUNDS` rounds the first
 time, twice as many at each repeat, one repeat forgiven every `FORGIVE_ROUNDS` quiet rounds; one
 whose update opposed this peer's own in `OPPOSED_ROUNDS` of this peer's last `OPPOSED_WITHIN`
-readings of it (`OPPOSED_COSINE`, within `OPPOSED_SPAN_ROUNDS`) is left out
-`OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's. The
-averager (guarded.py) keeps the counts in a `LeftOut`.
+readings of it (`OPPOSED_COSINE`, within `OPPOSED_SPAN_ROUNDS`), or in one reading far below
+(`STRONGLY_OPPOSED_COSINE`), is left out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's
+sign rather than a failure's. The averager (guarded.py) keeps the counts in a `LeftOut`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ attack run kept (16,934 of honest pairs, as the metrics logged them, one per try
 last 4 readings" named no honest member: only two honest readings fell below OPPOSED_COSINE,
 both of one member in one round (-0.44 and -0.38, by two different peers), and its next
 readings were 0.39-0.6; with a round's tries as one reading, the same holds."""
+STRONGLY_OPPOSED_COSINE = -0.5
+"""One reading below this leaves a member out by itself. A sign flipper or IPM member reads
+-0.5 to -0.9 in its first round with an honest peer, then drifts towards 0 (its model drifts
+once others leave it out), so a second opposed reading may never come: in bench attack at
+00df2ac with `-0.65` here, honest peers read the flipper or IPM member once at -0.52, -0.55,
+-0.61, -0.63 and -0.63, next at -0.27 to +0.01, and did not leave it out. Honest pairs never
+read below -0.1 there (868 readings, clean and attacked swarms), nor in the kept runs' 16,934
+readings but for one member in one round (-0.44 and -0.38, by two peers)."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
@@ -123,8 +131,9 @@ class LeftOut:
         span this peer reduces) in OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN readings of
         it, within its last OPPOSED_SPAN_ROUNDS rounds, is left out of the next
         OPPOSED_EXCLUSION_ROUNDS rounds (doubled for each exclusion it is still remembered for),
-        as one that stalled is for fewer: its part only counts, clipped, for as much as an
-        honest one, but round after round it pulls the average back (a sign flip, IPM). An
+        as one that stalled is for fewer; so is one read below STRONGLY_OPPOSED_COSINE once.
+        Its part only counts, clipped, for as much as an honest one, but round after round it
+        pulls the average back (a sign flip, IPM). An
         agreeing reading between does not clear the count (an attacker flipping every other
         round is still counted), nor do rounds with no reading of it (failed rounds it was not
         in: its own drift soon reads near 0, so a second reading many failed rounds on is as
@@ -142,11 +151,14 @@ class LeftOut:
             opposed_now = readings.pop()[1] or opposed_now
         readings.append((self.rounds, opposed_now))
         opposed = [r for r, o in readings if o and r > self.rounds - OPPOSED_SPAN_ROUNDS]
-        if len(opposed) >= OPPOSED_ROUNDS:
-            del self._readings[peer_id]
-            self.stall(
-                peer_id,
+        if not cosine >= STRONGLY_OPPOSED_COSINE:
+            why = f"sent an update opposite to this peer's (cosine {float(cosine):.2f})"
+        elif len(opposed) >= OPPOSED_ROUNDS:
+            why = (
                 f"sent updates opposite to this peer's in {len(opposed)} of its last "
-                f"{len(readings)} readings",
-                first=OPPOSED_EXCLUSION_ROUNDS,
+                f"{len(readings)} readings"
             )
+        else:
+            return
+        del self._readings[peer_id]
+        self.stall(peer_id, why, first=OPPOSED_EXCLUSION_ROUNDS)

@@ -8,8 +8,9 @@ its next rounds (exclusion.py: `STALL_ROUNDS`, doubled at each repeat, one repea
 then sent nothing, or reduced nothing (exact.py tells which), or reduced its span to averages
 beyond what an honest reducer returns (bounds.reducer_bounds, bounds.PAIR_SLACK), or that an
 audit showed lying as a reducer or an auditor, or whose update opposed this member's own in
-`OPPOSED_ROUNDS` of this member's last `OPPOSED_WITHIN` readings of it (`OPPOSED_COSINE`; left
-out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's). Counted in
+`OPPOSED_ROUNDS` of this member's last `OPPOSED_WITHIN` readings of it (`OPPOSED_COSINE`) or
+in one (`STRONGLY_OPPOSED_COSINE`; left out `OPPOSED_EXCLUSION_ROUNDS` the first time, an
+attack's sign rather than a failure's). Counted in
 rounds rather than banned for good, since an honest peer frozen for a while (or cut off), or an
 honest reducer whose own update is tens of times the others', can look the same. A group that
 holds a member this one excludes or banned does not make it abort (that would spoil the round

@@ -33,8 +33,9 @@ still tell a fully averaged round from a partial one.
 
 Each reducer also measures, over the update parts of its span, how each other member's part
 agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member whose update points
-against this one's round after round is left out for a while (exclusion.py, OPPOSED_COSINE),
-though clipping already bounds what it moves each round.
+against this one's round after round, or far against it once, is left out for a while
+(exclusion.py, OPPOSED_COSINE, STRONGLY_OPPOSED_COSINE), though clipping already bounds what it
+moves each round.
 
 A reducer can lie too: every member checks the averaged parts it receives (bounds.py). With three or
 more members in sync (reducer_bounds), within `reduced` times a typical update and its own part of
