@@ -19,7 +19,7 @@ from atomtrain.bench.attack_report import SwarmRun, attack_report, final_loss
 from atomtrain.peer.attack import ATTACKS
 from atomtrain.peer.auth import KEY_ENV, load_swarm_key, write_new_key
 from atomtrain.peer.certs import issue, write_new_identity
-from atomtrain.peer.exclusion import OPPOSED_COSINE
+from atomtrain.peer.exclusion import OPPOSED_COSINE, STRONGLY_OPPOSED_COSINE
 from atomtrain.peer.launcher import Swarm
 from atomtrain.train.metrics import read_metrics
 
@@ -182,6 +182,7 @@ def run_attack_bench(cfg: AttackConfig, out: Path, progress: bool = True) -> dic
         steps=cfg.steps,
         sync_every=cfg.sync_every,
         seeds=cfg.seeds,
+        strongly_opposed_cosine=STRONGLY_OPPOSED_COSINE,  # one reading below it names a member
         unauthorized_join_refused=refused,
     )
     return result

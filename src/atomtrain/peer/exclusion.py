@@ -53,7 +53,9 @@ once others leave it out), so a second opposed reading may never come: in bench 
 00df2ac with `-0.65` here, honest peers read the flipper or IPM member once at -0.52, -0.55,
 -0.61, -0.63 and -0.63, next at -0.27 to +0.01, and did not leave it out. Honest pairs never
 read below -0.1 there (868 readings, clean and attacked swarms), nor in the kept runs' 16,934
-readings but for one member in one round (-0.44 and -0.38, by two peers)."""
+readings but for one member in one round (-0.44 and -0.38, by two peers). With -0.5 (run U,
+docs/bench-attack-strong-reading.json): honest pairs 0.066 at the lowest in 1,251 readings; the
+flipper and the sybil left out by every honest peer at once in 5 seeds of 6, IPM in 1 of 3."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
