@@ -49,7 +49,6 @@ from atomtrain.peer.exclusion import (
     OPPOSED_SPAN_ROUNDS,
     OPPOSED_WITHIN,
     STALL_ROUNDS,
-    STRONGLY_OPPOSED_COSINE,
     LeftOut,
     exclusion_rounds,
     stalls_remembered,
@@ -1240,30 +1239,38 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
 
 
 def test_one_reading_far_below_leaves_a_member_out_at_once():
-    """A single reading below STRONGLY_OPPOSED_COSINE (a sign flipper's first rounds) leaves the
-    member out for OPPOSED_EXCLUSION_ROUNDS, named with its cosine, though its later readings
-    drift towards 0; a single reading between OPPOSED_COSINE and it does not, nor does the
-    worst honest reading kept (-0.44); a NaN cosine counts as far below."""
-    named: list[tuple[str, str, int]] = []
-    ledger = LeftOut(lambda peer, why, kind: None, lambda peer: False)
-    ledger.stall = lambda peer, why, first: named.append((peer, why, first))  # type: ignore
+    """A single reading below STRONGLY_OPPOSED_COSINE leaves the member out for
+    OPPOSED_EXCLUSION_ROUNDS, named with its cosine: the first readings of flippers and IPM
+    members that a -0.65 threshold let through (bench attack, then near 0 and never named) are
+    caught; the worst honest readings kept (-0.4501, -0.44) and one between OPPOSED_COSINE and
+    the threshold are not; a NaN cosine counts as far below."""
+    named: list[tuple[str, str]] = []
+    ledger = LeftOut(
+        lambda peer, why, kind: kind == "stall" and named.append((peer, why)), lambda peer: False
+    )
 
     def round_(**cosines: float) -> None:
         ledger.next_round()
         for name, cos in cosines.items():
             ledger.reading(name, cos)
 
-    assert STRONGLY_OPPOSED_COSINE < -0.44
-    round_(honest=-0.44, between=(STRONGLY_OPPOSED_COSINE + OPPOSED_COSINE) / 2)
+    round_(honest=-0.4501, honest2=-0.44, between=-0.4)
     for _ in range(OPPOSED_WITHIN):
-        round_(honest=0.1, between=-0.05)
-    assert not named
-    round_(flipper=STRONGLY_OPPOSED_COSINE - 0.01, honest=0.3)
-    assert [(p, f) for p, _, f in named] == [("flipper", OPPOSED_EXCLUSION_ROUNDS)]
-    assert f"cosine {STRONGLY_OPPOSED_COSINE - 0.01:.2f}" in named[0][1]
-    named.clear()
+        round_(honest=0.1, honest2=0.2, between=-0.05)
+    assert not named and OPPOSED_COSINE > -0.4
+    first = {"f052": -0.52, "f055": -0.55, "f061": -0.61, "f063": -0.63}
+    round_(**first, honest=0.3)
+    assert sorted(named) == sorted(
+        (peer, f"sent an update opposite to this peer's (cosine {cos:.3f})")
+        for peer, cos in first.items()
+    )
+    for peer in first:  # left out as long as for two opposed readings, counted afresh after
+        assert ledger.rounds_left(peer) == OPPOSED_EXCLUSION_ROUNDS
+        assert peer not in ledger._readings
+    round_(f052=0.01, f055=-0.27)  # its drifting readings while left out count for nothing
+    assert len(named) == 4 and "f055" not in ledger._readings
     round_(broken=float("nan"))
-    assert [p for p, _, _ in named] == ["broken"]
+    assert [p for p, _ in named[4:]] == ["broken"]
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

@@ -47,15 +47,21 @@ last 4 readings" named no honest member: only two honest readings fell below OPP
 both of one member in one round (-0.44 and -0.38, by two different peers), and its next
 readings were 0.39-0.6; with a round's tries as one reading, the same holds."""
 STRONGLY_OPPOSED_COSINE = -0.5
-"""One reading below this leaves a member out by itself. A sign flipper or IPM member reads
--0.5 to -0.9 in its first round with an honest peer, then drifts towards 0 (its model drifts
-once others leave it out), so a second opposed reading may never come: in bench attack at
-00df2ac with `-0.65` here, honest peers read the flipper or IPM member once at -0.52, -0.55,
--0.61, -0.63 and -0.63, next at -0.27 to +0.01, and did not leave it out. Honest pairs never
-read below -0.1 there (868 readings, clean and attacked swarms), nor in the kept runs' 16,934
-readings but for one member in one round (-0.44 and -0.38, by two peers). With -0.5 (run U,
-docs/bench-attack-strong-reading.json): honest pairs 0.066 at the lowest in 1,251 readings; the
-flipper and the sybil left out by every honest peer at once in 5 seeds of 6, IPM in 1 of 3."""
+"""One reading below this leaves a member out by itself. A sign flipper or IPM member often
+reads -0.5 to -0.9 in its first round with an honest peer, then drifts towards 0 (its model
+drifts once others leave it out, or it re-synchronizes), so a second opposed reading may never
+come. With -0.65 here (on 00df2ac, docs/bench-attack-strong-reading-065.json), honest peers read
+the flipper or IPM member once at -0.52, -0.55, -0.61, -0.63 and -0.63, then -0.27 to +0.01,
+and never left it out. With -0.5 (run U, docs/bench-attack-strong-reading.json) the flipper and
+the sybil were left out by every honest peer at once in 5 seeds of 6, IPM in 1 of 3; in the
+others an honest peer's first reading was -0.42 or -0.49, or near 0. Honest pairs read 0.05 and
+0.066 at the lowest in those runs (1,382 and 1,598 readings); in every run kept before, below
+-0.3 only twice: -0.44 and -0.38 (one member in one round, by two peers), and -0.45 (a clean
+swarm, docs/bench-attack-first-part-T3.json): 0.05 of margin at the worst. A member whose
+update merely follows no one's reaches it too: the label flipper (trained on poisoned data,
+median -0.03) read -0.53 once in 88 readings (docs/bench-attack-rerun-a4f65b9.json, seed 1).
+Untested, as for OPPOSED_COSINE: members training on different data, larger swarms, the 4-bit
+codec."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
@@ -154,7 +160,7 @@ class LeftOut:
         readings.append((self.rounds, opposed_now))
         opposed = [r for r, o in readings if o and r > self.rounds - OPPOSED_SPAN_ROUNDS]
         if not cosine >= STRONGLY_OPPOSED_COSINE:
-            why = f"sent an update opposite to this peer's (cosine {float(cosine):.2f})"
+            why = f"sent an update opposite to this peer's (cosine {float(cosine):.3f})"
         elif len(opposed) >= OPPOSED_ROUNDS:
             why = (
                 f"sent updates opposite to this peer's in {len(opposed)} of its last "
