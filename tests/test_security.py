@@ -1196,7 +1196,7 @@ def test_a_member_whose_updates_oppose_ours_round_after_round_is_left_out():
         round_(**{drifter: -0.45})
         for _ in range(gap - 1):
             round_(honest=0.5)
-        round_(**{drifter: -0.5})
+        round_(**{drifter: -0.4})
         assert [peer for peer, _, _ in named] == ([drifter] if left_out else []), gap
         named.clear()
     # a reading no longer counted is let go: a member read once and never again is not kept
