@@ -549,6 +549,12 @@ class GuardedAverager(DecentralizedAverager):
             valid = [x for x in declared if math.isfinite(x) and x >= 0]
             if valid:
                 defence = replace(defence, min_scale=lower_median(valid))
+        # this peer's last round averages what each finisher ends with (its weight average,
+        # train.ema, where kept), not its progress since the round before: no member is read
+        # against it (finish.py). There two honest peers with train.ema read each other at
+        # -0.75 and -0.85, and each left the other out
+        mine = users[ids.index(self.peer_id)] if self.peer_id in ids else {}
+        reads = self._trusted and mine.get("final") is not True
         return {
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),
@@ -559,7 +565,7 @@ class GuardedAverager(DecentralizedAverager):
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
             "on_doubt": self._left_out.stall if self._trusted else lambda peer_id, why: None,
-            "on_agreement": self._left_out.reading if self._trusted else None,
+            "on_agreement": self._left_out.reading if reads else None,
             "lie": self._lie(),  # bench attack only
         }
 

@@ -316,6 +316,7 @@ class PeerRuntime:
             "period_s": self.clock.proposal_s,
             "start_lag_s": self.clock.start_lag_s(),
             "live": self.presence.live_members(),  # the group's quorum: sync.group_live
+            "final": self._final,  # what it brings is no update: no one is read (guarded.py)
         }
 
     def _start_round(self) -> None:
