@@ -8,8 +8,9 @@ has ended) and save what each round gave them to WORKDIR/out{INDEX}.pt. With
 `inflate`, peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and
 claims a million times the others' tokens and a thousand times their update size. With `stall`,
 peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
-longer than the round's timeout, and never sends that group its parts (silent_member_patches). With `late`, peer 2 is honest but slow: its averager's process
-freezes as its group is found for longer than the sender timeout, not the reducer's, every round.
+longer than the round's timeout, and never sends that group its parts (silent_member_patches).
+With `late`, peer 2 is honest but slow: its averager's process freezes as its group is found for
+longer than the sender timeout, not the reducer's, every round.
 With `forge_gather`, peer 2 trains honestly, starts each round
 first (so it leads) and sends its followers another member's metadata rewritten. With
 `lying_reducer` (or `lying_reducer_far`: 20 typical updates, past what members accept), peer 2
