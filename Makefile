@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck clean
+.PHONY: run test test-bench tools lint typecheck clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,9 +15,16 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/atomtrain swarm --peers 2 --name default --overwrite --device-memory 64MB
 
-test: $(STAMP)
+# the tests, but the benches' whole quick runs (make test-bench): under 15 minutes on 2 cores
+test: $(STAMP) tools
+	$(BIN)/python -m pytest -q --durations=15 -m "not bench" tests
+
+# each `atomtrain bench ... --quick` run end to end, its JSON checked (CI runs both)
+test-bench: $(STAMP) tools
+	$(BIN)/python -m pytest -q --durations=5 -m bench tests
+
+tools:
 	@command -v tc >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get install -y -qq iproute2 >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null)) ; } || echo "iproute2 missing: the slow-network lab tests will skip"
-	$(BIN)/python -m pytest -q --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -135,6 +135,7 @@ def number(value: object) -> bool:
     or shutil.which("tc") is None,
     reason="needs root, cgroup v1 `cpu` read-write and iproute2 (tc, ip netns)",
 )
+@pytest.mark.bench
 def test_quick_bench_end_to_end(tmp_path: Path):
     groups_before = {p.name for p in CPU_ROOT.glob("atom*")}
     runs = tmp_path / "runs"

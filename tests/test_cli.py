@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from .conftest import TINY, run_cli
 
 
@@ -149,6 +151,7 @@ def test_train_through_the_engine_and_resume_plainly(prepared: Path, tmp_path: P
     assert (tmp_path / "runs/sw/checkpoints/step_000008").is_dir()
 
 
+@pytest.mark.bench
 def test_bench_swap_prints_its_fields(tmp_path: Path):
     proc = run_cli(
         "bench",

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from atomtrain.data.corpus import resolve_sources
 from atomtrain.data.reuse import EchoingLoader, ReuseConfig
@@ -160,6 +161,7 @@ def test_echoes_the_model_has_learnt_are_dropped_then_tried_again(corpus_dir: Pa
     ld.close()
 
 
+@pytest.mark.bench
 def test_bench_reuse_quick_reports_medians_over_seeds(corpus_dir: Path, tmp_path: Path):
     proc = run_cli(
         "bench", "reuse", "--quick", "--json", f"--source={corpus_dir}", cwd=tmp_path, timeout=600
