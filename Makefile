@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make run` trains the default, `make test` runs the tests.
+# On a fresh machine: `make run` trains the default, `make test` runs the tests, `make test-bench`
+# the benches' quick runs end to end.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,11 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 run: $(STAMP)
 	$(BIN)/atomtrain swarm --peers 2 --name default --overwrite --device-memory 64MB
 
-# the tests, but the benches' whole quick runs (make test-bench): under 15 minutes on 2 cores
+# every test except the benches' whole runs (make test-bench): under 15 minutes on 2 cores
 test: $(STAMP) tools
 	$(BIN)/python -m pytest -q --durations=15 -m "not bench" tests
 
-# each `atomtrain bench ... --quick` run end to end, its JSON checked (CI runs both)
+# each whole `atomtrain bench` run the tests make (quick ones), its output checked (CI runs both)
 test-bench: $(STAMP) tools
 	$(BIN)/python -m pytest -q --durations=5 -m bench tests
 
@@ -28,6 +29,9 @@ tools:
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy src
+
+typecheck: $(STAMP)
 	$(BIN)/mypy src
 
 clean:

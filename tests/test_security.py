@@ -446,7 +446,8 @@ def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
 
 
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):
-    """Peer 2 joins each round's group it gets into and then goes silent (its averager frozen).
+    """Peer 2 joins each round's group it gets into and then goes silent (its averager frozen,
+    and none of its parts sent even once it wakes: peer_attack_harness.silent_member_patches).
     The round it stalls is lost (its span is never averaged); both honest peers name it from the
     all-reduce's timeouts and leave it out, so every later round lands between them."""
     outs = run_round(tmp_path, "stall", defend=True)
@@ -460,6 +461,24 @@ def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: P
         assert torch.allclose(last["delta"], honest_mean(), atol=1e-6)
         assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
         assert not out["rejected"]  # left out for a while, not banned for good
+
+
+def test_a_member_bringing_its_weight_average_reads_no_one_but_is_itself_still_read():
+    from atomtrain.peer.guarded import reads_members
+
+    ids = ["me", "other"]
+    honest = {"name": "x", "weight_average": False}
+    assert reads_members([honest, honest], ids, "me", trusted=True)
+    # its own last round with train.ema: what it brings is its average, not an update
+    assert not reads_members([{"weight_average": True}, honest], ids, "me", trusted=True)
+    # another member's word spares that member nothing: this one still reads it
+    assert reads_members([honest, {"weight_average": True}], ids, "me", trusted=True)
+    # only a real True counts; metadata missing or malformed reads as before
+    assert reads_members([{"weight_average": 1}, honest], ids, "me", trusted=True)
+    assert reads_members([{}, honest], ids, "me", trusted=True)
+    assert reads_members([honest], ids, "me", trusted=True) and reads_members([], ids, "me", True)
+    # a round whose metadata a leader forged reads no one
+    assert not reads_members([honest, honest], ids, "me", trusted=False)
 
 
 def test_a_silent_leader_is_named_alone_for_its_groups_silence():

@@ -7,7 +7,11 @@ time, twice as many at each repeat, one repeat forgiven every `FORGIVE_ROUNDS` q
 whose update opposed this peer's own in `OPPOSED_ROUNDS` of this peer's last `OPPOSED_WITHIN`
 readings of it (`OPPOSED_COSINE`, within `OPPOSED_SPAN_ROUNDS`), or in one reading far below
 (`STRONGLY_OPPOSED_COSINE`), is left out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's
-sign rather than a failure's. The averager (guarded.py) keeps the counts in a `LeftOut`.
+sign rather than a failure's. The averager (guarded.py) keeps the counts in a `LeftOut`, and
+feeds it no readings in a round where this peer brings its weight average rather than an update
+(its last, with train.ema: guarded.reads_members). Known limit: a peer still training that meets
+one in its last round reads that one's average as an update (finishers wait for every live peer
+to finish first, finish.py, so this needs a peer that missed the others' statuses).
 """
 
 from __future__ import annotations

@@ -64,7 +64,9 @@ class Finisher:
             log.info("no other live peer at the end; keeping this peer's parameters")
             return
         self._catch_up(others, record)
-        peer.on_final()  # what this peer brings to the last round: its weight average, if kept
+        # what this peer brings to the last round: its weight average, if kept (then it reads no
+        # member's update against it: guarded.reads_members)
+        peer._brings_average = peer.on_final()
         peer._final = True
         for tries in range(1, FINAL_TRIES + 1):
             for key in ("group_size", "failed_round_s", "round_s", "round_attempts"):

@@ -10,9 +10,10 @@ beyond what an honest reducer returns (bounds.reducer_bounds, bounds.PAIR_SLACK)
 audit showed lying as a reducer or an auditor, or whose update opposed this member's own in
 `OPPOSED_ROUNDS` of this member's last `OPPOSED_WITHIN` readings of it (`OPPOSED_COSINE`) or
 in one (`STRONGLY_OPPOSED_COSINE`; left out `OPPOSED_EXCLUSION_ROUNDS` the first time, an
-attack's sign rather than a failure's). Counted in
-rounds rather than banned for good, since an honest peer frozen for a while (or cut off), or an
-honest reducer whose own update is tens of times the others', can look the same. A group that
+attack's sign rather than a failure's; no readings where this member brings its weight average,
+reads_members). Counted in rounds rather than banned for good, since an honest peer frozen for a
+while (or cut off), or an honest reducer whose own update is tens of times the others', can look
+the same. A group that
 holds a member this one excludes or banned does not make it abort (that would spoil the round
 for the others too): it takes part. An audited round it then applies like any other when every
 check passes: every reducer combined that member's parts by what it measures (robust.py:
@@ -549,12 +550,7 @@ class GuardedAverager(DecentralizedAverager):
             valid = [x for x in declared if math.isfinite(x) and x >= 0]
             if valid:
                 defence = replace(defence, min_scale=lower_median(valid))
-        # this peer's last round averages what each finisher ends with (its weight average,
-        # train.ema, where kept), not its progress since the round before: no member is read
-        # against it (finish.py). There two honest peers with train.ema read each other at
-        # -0.75 and -0.85, and each left the other out
-        mine = users[ids.index(self.peer_id)] if self.peer_id in ids else {}
-        reads = self._trusted and mine.get("final") is not True
+        reads = reads_members(users, ids, self.peer_id, self._trusted)
         return {
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),
@@ -568,6 +564,19 @@ class GuardedAverager(DecentralizedAverager):
             "on_agreement": self._left_out.reading if reads else None,
             "lie": self._lie(),  # bench attack only
         }
+
+
+def reads_members(users: list[dict[str, Any]], ids: list[Any], own: Any, trusted: bool) -> bool:
+    """Whether this member (`own`) reads the others' updates against its own this round (the
+    opposing-update rule, exclusion.LeftOut.reading): not where a leader forged the round's
+    metadata, nor where this member brings its weight average (`weight_average` in its own
+    metadata: the last round with train.ema, finish.py), which is not its progress since the
+    round before. There two honest peers read each other at -0.75 and -0.85 (README machines
+    test), and each left the other out. Only this member's own word counts: a member that says
+    it brings its average is still read by the others (an attacker would say so every round)."""
+    at = ids.index(own) if own in ids else -1
+    mine = users[at] if 0 <= at < len(users) else {}
+    return trusted and mine.get("weight_average") is not True
 
 
 def _number(x: Any) -> float:

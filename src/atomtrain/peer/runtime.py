@@ -136,9 +136,9 @@ class PeerRuntime:
         """Called when a re-synchronization moved the weights by the swarm's state minus this
         peer's synchronized one (its local progress kept), with that shift: the trainer moves
         its weight average by the same, so the average keeps its history."""
-        self.on_final: Callable[[], None] = lambda: None
+        self.on_final: Callable[[], bool] = lambda: False
         """Called just before the last round: the trainer writes its weight average into the
-        weights, so the last round averages the peers' averages."""
+        weights, so the last round averages the peers' averages (False: it keeps none)."""
         self.round = 0
         self.failed_rounds = 0
         self.round_tokens = 0
@@ -157,6 +157,9 @@ class PeerRuntime:
         """What the peer's p2p daemon put on the network and took from it (wire.py)."""
         self._wire_at_last_round = 0.0
         self._final = False
+        self._brings_average = False
+        """In its last round, this peer brings its weight average, not its progress since the
+        round before: it reads no member's update against it (guarded.reads_members)."""
         self._share = 0.0
         """This member's share of the running round it trains on from (rounds.py); 0: none."""
         self.last_group_ids: list[str] = []
@@ -316,7 +319,7 @@ class PeerRuntime:
             "period_s": self.clock.proposal_s,
             "start_lag_s": self.clock.start_lag_s(),
             "live": self.presence.live_members(),  # the group's quorum: sync.group_live
-            "final": self._final,  # what it brings is no update: no one is read (guarded.py)
+            "weight_average": self._brings_average,  # guarded.reads_members
         }
 
     def _start_round(self) -> None:

@@ -84,12 +84,14 @@ class Trainer:
         params = self.runner.host_parameters()  # waits for any optimizer step still running
         return self.average.swapped_in(params, self.runner.parameters_written)
 
-    def adopt_average(self) -> None:
+    def adopt_average(self) -> bool:
         """The weights become their average (before a swarm's last round, which then averages
-        the peers' averages)."""
-        if self.average is not None:
-            self.average.adopt(self.runner.host_parameters())
-            self.runner.parameters_written()
+        the peers' averages); False: the run keeps none."""
+        if self.average is None:
+            return False
+        self.average.adopt(self.runner.host_parameters())
+        self.runner.parameters_written()
+        return True
 
     def shift_average(self, shift: Callable[[Mapping[str, torch.Tensor]], None]) -> None:
         """The weights were moved by `shift` (a swarm's re-synchronization, which keeps the local
