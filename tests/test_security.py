@@ -597,14 +597,18 @@ def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
             p2p=SimpleNamespace(peer_id=me), servicer_type=GuardedAverager, prefix="t",
             group_id=b"g", tensors=[torch.zeros(64)], ordered_peer_ids=[me, other],
             peer_fractions=(0.5, 0.5), sender_timeout=1.0, reducer_timeout=2.0,
-            traffic=Traffic(),
+            traffic=Traffic(), part_size_bytes=64,
         )  # fmt: skip
+        assert runner.tensor_part_container.num_parts_by_peer[1] > 0  # `other` reduces a span
         runner._get_peer_stub = lambda peer: Stub()
         with pytest.raises(AllreduceException) as failed:
             await runner._communicate_with_peer(other)
         return str(failed.value), other in runner._not_in_group, runner._heard_from(other)
 
     why, not_in_group, heard = asyncio.run(scenario())
+    # (hivemind fills the failed span with this member's own parts through the same call that
+    # registers averages: those stand-ins counted as averages `other` delivered, so one that
+    # missed its group was heard from, and doubted for the audit verdict it could not give)
     assert why.endswith(NOT_IN_GROUP) and not_in_group and not heard
 
 
@@ -825,6 +829,7 @@ def handlers_alone() -> GuardedAverager:
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
     avg._heard, avg._opened, avg._ran = {}, {}, {}
+    avg._gave_up_on, avg._missed, avg._assembled = {}, {}, set()
     avg._left_out = LeftOut(lambda peer_id, why, kind: None, lambda peer_id: False)
     return avg
 
@@ -1491,11 +1496,11 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         avg._running_groups, avg._assembled = {}, set()
         avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
 
-        async def served(group: bytes) -> list[int]:
+        async def served(group: bytes, member: str = "member") -> list[int]:
             async def part():
                 yield averaging_pb2.AveragingData(group_id=group, weight=1.0)
 
-            sender = SimpleNamespace(remote_id="member")
+            sender = SimpleNamespace(remote_id=member)
             return [m.code async for m in avg.rpc_aggregate_part(part(), sender)]
 
         def run(group: bytes) -> None:
@@ -1533,6 +1538,19 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         avg._running_groups[b"g"] = asyncio.Future()
         avg._running_groups[b"g"].set_result(over)
         codes["just over"] = await asyncio.wait_for(served(b"g"), 0.5)
+        # looking, a request out to another leader, having given up on "late" (its word did
+        # not come in time): the group "late" formed after is refused at once, from it and
+        # from a member whose parts came first and were held
+        avg._gave_up_on["late"] = None
+        held = asyncio.create_task(served(b"h", "other member"))
+        await asyncio.sleep(0.3)
+        assert not held.done()  # its leader may be the one still asked
+        codes["given up"] = await asyncio.wait_for(served(b"h", "late"), 0.5)
+        codes["given up, held"] = await asyncio.wait_for(held, 0.5)
+        # a group of its own that the given-up leader is in (it joined the same leader) runs
+        avg._assembled.add(b"i")
+        run(b"i")
+        codes["given up, ours"] = await asyncio.wait_for(served(b"i", "late"), 0.5)
         return codes
 
     assert asyncio.run(scenario()) == {
@@ -1543,6 +1561,9 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         "triggered": [averaging_pb2.AVERAGED_PART],
         "ran": [averaging_pb2.BAD_GROUP_ID],
         "just over": [averaging_pb2.BAD_GROUP_ID],
+        "given up": [averaging_pb2.BAD_GROUP_ID],
+        "given up, held": [averaging_pb2.BAD_GROUP_ID],
+        "given up, ours": [averaging_pb2.AVERAGED_PART],
     }
 
 
@@ -1555,6 +1576,8 @@ def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():
     counted: list[int] = []
 
     class Matchmaking:
+        request_timeout = 0.2
+
         async def _request_join_group(self, leader):
             counted.append(avg._asking)
             if leader == "redirects":  # GROUP_DISBANDED with a suggested leader
@@ -1563,6 +1586,11 @@ def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():
                 raise RuntimeError("the leader's daemon died")
             if leader == "hangs":
                 await asyncio.sleep(10)
+            if leader == "refuses":  # its word, in time: it did not take this member
+                return None
+            if leader == "lags":  # no word within the request timeout
+                await asyncio.sleep(0.25)
+                return None
             return "group"
 
         async def follower_assemble_group(self, leader, message):
@@ -1588,5 +1616,16 @@ def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():
         with pytest.raises(asyncio.CancelledError):
             await waiting
         assert avg._asking == 0  # given up: a group it was put in is refused at once
+        # a leader whose word did not come within the request timeout is remembered for the
+        # step; one that said no in time, failed, or was left before the timeout, is not
+        assert await matchmaking._request_join_group("refuses") is None
+        assert not avg._gave_up_on
+        assert await matchmaking._request_join_group("lags") is None
+        assert list(avg._gave_up_on) == ["lags"]
+        asking_again = asyncio.create_task(matchmaking._request_join_group("lags"))
+        await asyncio.sleep(0.05)
+        assert not avg._gave_up_on  # asked again: its next group may be this member's
+        assert await asking_again is None
+        assert list(avg._gave_up_on) == ["lags"]
 
     asyncio.run(scenario())

@@ -130,7 +130,7 @@ class ExactAverageRunner(CountedRunner):
             [p in out_of_sync and is_delta for is_delta in delta_parts]
             for p in self.sender_peer_ids
         ]
-        self._delivered: set[Any] = set()  # reducers that sent this member any average
+        self._delivered: set[Any] = set()  # reducers that sent this member any average (of theirs)
         self._not_in_group: set[Any] = set()  # members that answered they are not in it
         self._started = time.monotonic()
         self._unheard: set[Any] = set()  # members that had sent nothing as it ended early
@@ -141,13 +141,21 @@ class ExactAverageRunner(CountedRunner):
         self._since = since
         self._start_timeout = dict(zip(self.ordered_peer_ids, start_timeouts, strict=False))
         self._verdict: asyncio.Task | None = None
-        register = self.tensor_part_container.register_processed_part
+        container = self.tensor_part_container
+        register, fall_back = container.register_processed_part, container.register_failed_reducer
+        failed: set[int] = set()  # reducers whose span now holds this member's own part
 
         def registered(peer_index: int, part_index: int, part: Any) -> None:
-            self._delivered.add(self.ordered_peer_ids[peer_index])
+            if peer_index not in failed:  # hivemind registers the stand-ins the same way
+                self._delivered.add(self.ordered_peer_ids[peer_index])
             register(peer_index, part_index, part)
 
-        self.tensor_part_container.register_processed_part = registered
+        def reducer_failed(peer_index: int) -> None:
+            failed.add(peer_index)
+            fall_back(peer_index)
+
+        container.register_processed_part = registered
+        container.register_failed_reducer = reducer_failed
 
     @property
     def over(self) -> bool:

@@ -114,6 +114,10 @@ class GuardedAverager(DecentralizedAverager):
         self._led_by: dict[bytes, PeerID] = {}  # this round's groups' leaders, this one's too
         self._assembled: set[bytes] = set()  # groups this step joined (a trigger may await them)
         self._asking = 0  # join requests this member has out to leaders (_guard_leaders)
+        # leaders this step whose word did not come in time (each may have put this member in
+        # its group all the same), and the groups that came from them (_group_runner)
+        self._gave_up_on: dict[PeerID, None] = {}
+        self._missed: dict[bytes, None] = {}
         self._trusted = True  # the round's metadata is its members' (robust bans count)
         self._left_out = LeftOut(
             lambda peer_id, why, kind: events.put((peer_id.to_base58(), why, kind)),
@@ -192,7 +196,7 @@ class GuardedAverager(DecentralizedAverager):
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
         self._heard_of(first.group_id).add(context.remote_id)
-        group = await self._group_runner(first.group_id)
+        group = await self._group_runner(first.group_id, context.remote_id)
         if group is None or group.over:  # not in it, or its round of it is over
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
@@ -220,7 +224,7 @@ class GuardedAverager(DecentralizedAverager):
         keep_latest(self._heard, HEARD_KEPT)
         return self._heard.get(group_id, heard)
 
-    async def _group_runner(self, group_id: bytes) -> Any:
+    async def _group_runner(self, group_id: bytes, sender: PeerID | None = None) -> Any:
         """The group's all-reduce (exact.ExactAverageRunner), once this member runs it; None:
         it will not. Waits until this member starts it (or never will:
         _aggregate_with_group cancels it), shielded: hivemind's handler awaits the group's
@@ -241,9 +245,26 @@ class GuardedAverager(DecentralizedAverager):
         the quorum). A group this member already ran is refused at once too: a member whose
         round ended early asks whether this one is in it before naming it a staller
         (exact.py, _answers), and an answer held while this one looks for its next group named
-        it."""
+        it.
+
+        A group whose member `sender` is a leader this member gave up on in this step (its
+        word did not come in time, _guard_leaders) is refused at once as well, with every other
+        member's parts for that group: the leader formed it with this member in it after this
+        member stopped waiting for it (a loaded leader whose event loop lagged past the
+        follower's request timeout). Held until this member's matchmaking ended, it named
+        this honest member a staller, and one that gave no audit verdict (bench attack, clean
+        swarms: left out by both others, its partners' next rounds short of the quorum).
+        Its span fails and the round with it; the answer names no one. (A leader given up on
+        that then joins another leader's group, with this member in it, has its parts refused
+        when they come before that leader's word: the same round lost, rarer still.)"""
         while group_id not in self._running_groups:
             if group_id in self._ran:  # over (its round ended early, say): not looking for it
+                return None
+            if group_id not in self._assembled and (
+                group_id in self._missed or sender in self._gave_up_on
+            ):  # formed by a leader this member gave up on: it will not come
+                self._missed[group_id] = None
+                keep_latest(self._missed, HEARD_KEPT)
                 return None
             matchmaking = getattr(self, "_matchmaking", None)
             looking = matchmaking is not None and matchmaking.is_looking_for_group
@@ -296,7 +317,7 @@ class GuardedAverager(DecentralizedAverager):
         runner = self._audits.get(group_id)
         if runner is None:
             try:
-                if await asyncio.wait_for(self._group_runner(group_id), self._window_s):
+                if await asyncio.wait_for(self._group_runner(group_id, caller), self._window_s):
                     runner = self._audits.get(group_id)
             except asyncio.TimeoutError:
                 return None
@@ -319,6 +340,7 @@ class GuardedAverager(DecentralizedAverager):
         self._leaders.clear()
         self._led_by.clear()
         self._assembled.clear()
+        self._gave_up_on.clear()
         self._round_at = step.scheduled_time
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
@@ -348,10 +370,17 @@ class GuardedAverager(DecentralizedAverager):
             if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
                 return None
             self._asking += 1  # from the request until the leader's group, or its end
+            self._gave_up_on.pop(leader, None)  # asked again: its next group may be ours
+            began, group = time.monotonic(), None
             try:
-                return await ask(leader)
+                group = await ask(leader)
+                return group
             finally:
                 self._asking -= 1
+                # no group, and no word within the request timeout (a refusal comes before
+                # it): the leader may yet form its group with this member in it
+                if group is None and time.monotonic() - began >= matchmaking.request_timeout:
+                    self._gave_up_on[leader] = None
 
         async def followed(leader: PeerID, message: Any):
             group_info = await assemble(leader, message)
