@@ -53,7 +53,7 @@ from atomtrain.peer.exclusion import (
     exclusion_rounds,
     stalls_remembered,
 )
-from atomtrain.peer.guarded import OPENED_KEPT, GuardedAverager
+from atomtrain.peer.guarded import GRACE_S, OPENED_KEPT, GuardedAverager
 from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.protocol import averaging_prefix, protocol_tag
 from atomtrain.peer.traffic import Traffic
@@ -829,7 +829,7 @@ def handlers_alone() -> GuardedAverager:
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
     avg._heard, avg._opened, avg._ran = {}, {}, {}
-    avg._gave_up_on, avg._missed, avg._assembled = {}, {}, set()
+    avg._gave_up_on, avg._missed, avg._assembled, avg._requests = {}, {}, set(), 0
     avg._left_out = LeftOut(lambda peer_id, why, kind: None, lambda peer_id: False)
     return avg
 
@@ -1539,18 +1539,26 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         avg._running_groups[b"g"].set_result(over)
         codes["just over"] = await asyncio.wait_for(served(b"g"), 0.5)
         # looking, a request out to another leader, having given up on "late" (its word did
-        # not come in time): the group "late" formed after is refused at once, from it and
-        # from a member whose parts came first and were held
+        # not come in time): the group "late" formed after is refused within GRACE_S, from it
+        # and from a member whose parts came first and were held
         avg._gave_up_on["late"] = None
         held = asyncio.create_task(served(b"h", "other member"))
         await asyncio.sleep(0.3)
         assert not held.done()  # its leader may be the one still asked
-        codes["given up"] = await asyncio.wait_for(served(b"h", "late"), 0.5)
+        codes["given up"] = await asyncio.wait_for(served(b"h", "late"), GRACE_S + 0.5)
         codes["given up, held"] = await asyncio.wait_for(held, 0.5)
-        # a group of its own that the given-up leader is in (it joined the same leader) runs
+        # a group of its own that the given-up leader is in (it joined the leader asked now),
+        # whose word comes within the grace: it waits, and runs
+        ours = asyncio.create_task(served(b"i", "late"))
+        await asyncio.sleep(0.3)
         avg._assembled.add(b"i")
+        await asyncio.sleep(GRACE_S)
+        assert not ours.done()  # assembled, awaiting its trigger
         run(b"i")
-        codes["given up, ours"] = await asyncio.wait_for(served(b"i", "late"), 0.5)
+        codes["given up, ours"] = await asyncio.wait_for(ours, 0.5)
+        # with no request out, at once
+        avg._asking = 0
+        codes["given up, idle"] = await asyncio.wait_for(served(b"j", "late"), 0.2)
         return codes
 
     assert asyncio.run(scenario()) == {
@@ -1564,6 +1572,7 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         "given up": [averaging_pb2.BAD_GROUP_ID],
         "given up, held": [averaging_pb2.BAD_GROUP_ID],
         "given up, ours": [averaging_pb2.AVERAGED_PART],
+        "given up, idle": [averaging_pb2.BAD_GROUP_ID],
     }
 
 
@@ -1582,6 +1591,9 @@ def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():
             counted.append(avg._asking)
             if leader == "redirects":  # GROUP_DISBANDED with a suggested leader
                 return await self._request_join_group("leads")
+            if leader == "sends on":  # the same, to a leader that lags
+                await asyncio.sleep(0.1)
+                return await self._request_join_group("lags")
             if leader == "fails":
                 raise RuntimeError("the leader's daemon died")
             if leader == "hangs":
@@ -1626,6 +1638,10 @@ def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():
         await asyncio.sleep(0.05)
         assert not avg._gave_up_on  # asked again: its next group may be this member's
         assert await asking_again is None
+        assert list(avg._gave_up_on) == ["lags"]
+        # a leader that sent this member on in time is not; the one it sent it to is
+        avg._gave_up_on.clear()
+        assert await matchmaking._request_join_group("sends on") is None
         assert list(avg._gave_up_on) == ["lags"]
 
     asyncio.run(scenario())

@@ -320,12 +320,15 @@ class ExactAverageRunner(CountedRunner):
         own sender timeout for that member's parts, counted from its own start of the round (on
         a loaded machine, seconds after this member's), so its late averages name no one. (The
         staller is named; a colluder withholding its averages spoils only the round the staller
-        spoiled anyway.)"""
+        spoiled anyway. A member that answered it is not in the group is named by no one, so
+        it spares no reducer either: else a pair, one answering so, the other withholding its
+        averages, would cost every round a reducer timeout and neither be named.)"""
         return any(
             p not in (reducer, self.peer_id)
             and p in self.banned_senders
             and p not in self.active_senders
             and p not in self._delivered
+            and p not in self._not_in_group
             for p in self.sender_peer_ids
         )
 

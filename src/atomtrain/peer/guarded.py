@@ -69,6 +69,9 @@ OPENED_KEPT = 1024
 """Peers whose latest stream of parts a member remembers (exact.py, _contacted: for the start
 timeout), most recent first: every caller is stamped before the gate, and a stream of new peer
 IDs the gate refuses grew it without bound."""
+GRACE_S = 1.0
+"""How long parts from a leader this member gave up on wait for another leader's word while a
+join request is out (_group_runner): that leader's word reaches its members at once."""
 AUDITS_KEPT = 8
 """Audited all-reduces a member keeps for the members that ask after it ends (each lets its
 replay go once every member asked, or some seconds after the round)."""
@@ -114,6 +117,7 @@ class GuardedAverager(DecentralizedAverager):
         self._led_by: dict[bytes, PeerID] = {}  # this round's groups' leaders, this one's too
         self._assembled: set[bytes] = set()  # groups this step joined (a trigger may await them)
         self._asking = 0  # join requests this member has out to leaders (_guard_leaders)
+        self._requests = 0  # join requests this member made (a redirect nests one in another)
         # leaders this step whose word did not come in time (each may have put this member in
         # its group all the same), and the groups that came from them (_group_runner)
         self._gave_up_on: dict[PeerID, None] = {}
@@ -254,21 +258,28 @@ class GuardedAverager(DecentralizedAverager):
         follower's request timeout). Held until this member's matchmaking ended, it named
         this honest member a staller, and one that gave no audit verdict (bench attack, clean
         swarms: left out by both others, its partners' next rounds short of the quorum).
-        Its span fails and the round with it; the answer names no one. (A leader given up on
-        that then joins another leader's group, with this member in it, has its parts refused
-        when they come before that leader's word: the same round lost, rarer still.)"""
+        Its span fails and the round with it; the answer names no one. While this member still
+        has a join request out, such a sender's parts wait a second first: the leader given up
+        on may have joined another leader's group with this member in it, whose word is on its
+        way (a group refused so is lost all the same where that word takes longer)."""
+        began = time.monotonic()
         while group_id not in self._running_groups:
             if group_id in self._ran:  # over (its round ended early, say): not looking for it
                 return None
+            matchmaking = getattr(self, "_matchmaking", None)
+            looking = matchmaking is not None and matchmaking.is_looking_for_group
+            asking = looking and self._asking
             if group_id not in self._assembled and (
-                group_id in self._missed or sender in self._gave_up_on
+                group_id in self._missed
+                or (
+                    sender in self._gave_up_on
+                    and not (asking and time.monotonic() < began + GRACE_S)
+                )
             ):  # formed by a leader this member gave up on: it will not come
                 self._missed[group_id] = None
                 keep_latest(self._missed, HEARD_KEPT)
                 return None
-            matchmaking = getattr(self, "_matchmaking", None)
-            looking = matchmaking is not None and matchmaking.is_looking_for_group
-            if group_id not in self._assembled and not (looking and self._asking):
+            if group_id not in self._assembled and not asking:
                 return None
             await asyncio.sleep(0.05)
         started = self._running_groups[group_id]
@@ -363,6 +374,7 @@ class GuardedAverager(DecentralizedAverager):
         if matchmaking is None or getattr(matchmaking, "_atom_guarded", False):
             return
         ask = matchmaking._request_join_group
+        timeout = matchmaking.request_timeout
         assemble = matchmaking.follower_assemble_group
         lead = matchmaking.leader_assemble_group
 
@@ -370,16 +382,20 @@ class GuardedAverager(DecentralizedAverager):
             if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
                 return None
             self._asking += 1  # from the request until the leader's group, or its end
+            self._requests += 1
             self._gave_up_on.pop(leader, None)  # asked again: its next group may be ours
-            began, group = time.monotonic(), None
+            began, request, group = time.monotonic(), self._requests, None
             try:
                 group = await ask(leader)
                 return group
             finally:
                 self._asking -= 1
-                # no group, and no word within the request timeout (a refusal comes before
-                # it): the leader may yet form its group with this member in it
-                if group is None and time.monotonic() - began >= matchmaking.request_timeout:
+                # no group after the request timeout: its word did not come in time (a leader
+                # that refuses says so within it), or its group did not after it accepted this
+                # member. It may yet form that group with this member in it. (One that sent
+                # this member on to another leader, a nested request, did not.)
+                nested = self._requests != request
+                if group is None and not nested and time.monotonic() - began >= timeout:
                     self._gave_up_on[leader] = None
 
         async def followed(leader: PeerID, message: Any):
