@@ -612,6 +612,20 @@ def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
     assert why.endswith(NOT_IN_GROUP) and not_in_group and not heard
 
 
+def test_a_member_not_in_the_group_spares_no_reducer_its_late_averages():
+    """A reducer's late averages name no one while another member sent this one nothing: it may
+    have waited out that member's parts from its own, later start. Not where that member
+    answered it is not in the group: it is named by no one, and a pair (one answering so, one
+    withholding its averages) would cost every round a reducer timeout with neither named."""
+    runner = ExactAverageRunner.__new__(ExactAverageRunner)
+    runner.peer_id, runner.sender_peer_ids = "me", ["me", "a", "r"]
+    runner.banned_senders, runner.active_senders = {"a"}, {"me", "r"}
+    runner._delivered, runner._not_in_group = set(), set()
+    assert runner._waiting_for_a_staller("r")  # a sent nothing: r may be waiting for it
+    runner._not_in_group.add("a")
+    assert not runner._waiting_for_a_staller("r")
+
+
 def verdict_asked(auditor_said: str) -> tuple[list[str], str]:
     """An audited runner of members me, a, b whose span a audits and whose verdict a does not
     give (its averager answers the request as for a group it is not in). `auditor_said`: what
