@@ -252,7 +252,7 @@ class GuardedAverager(DecentralizedAverager):
         it.
 
         A group whose member `sender` is a leader this member gave up on in this step (its
-        word did not come in time, _guard_leaders) is refused at once as well, with every other
+        word did not come in time, _guard_leaders) is refused as well, with every other
         member's parts for that group: the leader formed it with this member in it after this
         member stopped waiting for it (a loaded leader whose event loop lagged past the
         follower's request timeout). Held until this member's matchmaking ended, it named
