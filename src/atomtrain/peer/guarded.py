@@ -269,18 +269,14 @@ class GuardedAverager(DecentralizedAverager):
             matchmaking = getattr(self, "_matchmaking", None)
             looking = matchmaking is not None and matchmaking.is_looking_for_group
             asking = looking and self._asking
-            if group_id not in self._assembled and (
-                group_id in self._missed
-                or (
-                    sender in self._gave_up_on
-                    and not (asking and time.monotonic() < began + GRACE_S)
-                )
-            ):  # formed by a leader this member gave up on: it will not come
-                self._missed[group_id] = None
-                keep_latest(self._missed, HEARD_KEPT)
-                return None
-            if group_id not in self._assembled and not asking:
-                return None
+            if group_id not in self._assembled:  # not (yet) one this member joined
+                graced = asking and time.monotonic() < began + GRACE_S
+                if group_id in self._missed or (sender in self._gave_up_on and not graced):
+                    self._missed[group_id] = None  # a given-up leader's: it will not come
+                    keep_latest(self._missed, HEARD_KEPT)
+                    return None
+                if not asking:
+                    return None
             await asyncio.sleep(0.05)
         started = self._running_groups[group_id]
         try:
