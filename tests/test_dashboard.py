@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -139,9 +140,18 @@ def _chromium() -> tuple[str, str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range: one the kernel hands out (port 0) may go
+    to a peer's p2p daemon, which also binds port 0 on every address, before the dashboard
+    binds it (CI, 2026-12-05: the page answered "/multistream/1.0.0")."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(1024, low - 8192), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def test_the_dashboard_in_a_browser_shows_a_live_two_peer_swarm(tmp_path: Path, prepared: Path):
