@@ -13,27 +13,29 @@ The runner's output is the average itself, not a difference: the averager copies
 tensors. A reducer that fails leaves the member's own part in its span, which the probes show
 (averaging.py).
 
-A round that is lost ends at once (end_early): a member that reduces a span and has not even
-opened its stream to this member by its start timeout (`start_timeouts`: a second, plus one and a
-half times the lag it declares, its longest recent step where rounds write their contribution at
-the first step past their slot, capped at 4 times the group's median lag; in 60 clean rounds of
-bench attack every member's first part came within 0.65 s of this member's start), or has sent
-nothing by the sender timeout (its span will have no average) ends it there rather than at the
-reducer timeout. A round that looked for its group when it was due then looks for another within
-the round's time; a round prepared for a slot fails, and the next slot comes.
+A round that is lost ends at once (end_early): a member that reduces a span and has not even opened
+its stream to this member by its start timeout (`start_timeouts`: a second, plus one and a half
+times the lag it declares, its longest recent step where rounds write their contribution at the
+first step past their slot, capped at 4 times the group's median lag; in 60 clean rounds of bench
+attack every member's first part came within 0.65 s of this member's start), or has sent nothing by
+the sender timeout (its span will have no average) ends it there rather than at the reducer
+timeout; so does a reducer that sent its parts yet, once every other span's averages came, has sent
+none of its own for its start timeout (a member frozen after sending its parts: rounds of 13.6 s
+where 3 s is typical in bench attack). A round that looked for its group when it was due then looks
+for another within the round's time; a round prepared for a slot fails, and the next slot comes.
 
-It also tells who stalled the round (`on_stall`): a member that joined the group but sent none
-of its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout;
-where the round ended early, parts that came after it still count as sent), or a reducer that
-sent no averages within the reducer timeout. (A member that crashed looks the same; the
-averager excludes either for a while.) Where the group's leader sent nothing
-either, only the leader is named: it may never have told the others (silent_members). A reducer
-is not named for late averages in a round where another member sent this one nothing: it may
-have waited for that member's parts, from its own, later start of the round. A member that
-answers it is not in the group is not named: an honest one that missed its leader's word
-(guarded.py, _group_runner) says so, and a member that refuses its span this way spoils the
-round as it could by sending its parts and refusing only its span, which never names anyone
-either.
+It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
+its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout; where
+the round ended early, parts that came after it still count as sent), or a reducer that sent no
+averages within the reducer timeout, counted from this member's start, whether or not the round
+ended early (a slow one then costs a round, and is not named). (A member that crashed looks the
+same; the averager excludes either for a while.) Where the group's leader sent nothing either, only
+the leader is named: it may never have told the others (silent_members). A reducer is not named for
+late averages in a round where another member sent this one nothing: it may have waited for that
+member's parts, from its own, later start of the round. A member that answers it is not in the
+group is not named: an honest one that missed its leader's word (guarded.py, _group_runner) says
+so, and a member that refuses its span this way spoils the round as it could by sending its parts
+and refusing only its span, which never names anyone either.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def start_timeouts(users: list[dict[str, Any]], floor: float = START_FLOOR_S) ->
     return [floor + START_LAGS * min(lag, cap) for lag in lags]
 
 
+WATCH_S = 0.05
+"""How often a member looks whether one reducer alone has sent no averages (_silent_reducer)."""
+
 NOT_IN_GROUP = f" sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}"
 """How hivemind's error ends when a reducer answers that it is not in the group."""
 
@@ -141,6 +146,8 @@ class ExactAverageRunner(CountedRunner):
         self._since = since
         self._start_timeout = dict(zip(self.ordered_peer_ids, start_timeouts, strict=False))
         self._verdict: asyncio.Task | None = None
+        # reducers whose silence ended the round early: their verdicts (_name_if_no_averages)
+        self._late: dict[Any, asyncio.Future] = {}
         container = self.tensor_part_container
         register, fall_back = container.register_processed_part, container.register_failed_reducer
         failed: set[int] = set()  # reducers whose span now holds this member's own part
@@ -337,22 +344,98 @@ class ExactAverageRunner(CountedRunner):
             self._on_stall(peer_id, why)
 
     async def _communicate_with_peer(self, peer_id: Any) -> None:
-        if peer_id != self.peer_id:
-            try:
-                return await super()._communicate_with_peer(peer_id)
-            except asyncio.TimeoutError:
-                if not self._waiting_for_a_staller(peer_id):
-                    self._stalled(peer_id, "sent no averages of its span")
-                # its span holds our own part, not an average: the probes discard the round,
-                # so it ends now, not at the round's timeout (an audit waited there for the
-                # staller's verdicts: a stalled round took 15 s of the bench's 15, not 10)
-                self.finalize(exception=AllreduceException(f"{peer_id} sent no averages in time"))
-                raise
-            except AllreduceException as e:
-                if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
-                    self._not_in_group.add(peer_id)
-                raise
-        # our own span: the average through the codec the others receive it in
+        if peer_id == self.peer_id:
+            return await self._reduce_own_span()
+        exchange = asyncio.ensure_future(self._exchange(peer_id))
+        exchange.add_done_callback(_retrieved)  # (one cancelled may end in hivemind's error)
+        watch = asyncio.ensure_future(self._silent_reducer(peer_id))
+        try:
+            await asyncio.wait((exchange, watch), return_when=asyncio.FIRST_COMPLETED)
+            waited = None if exchange.done() or not watch.done() else watch.result()
+            if waited is not None:  # its span will have no average: the round is lost
+                self._late[peer_id] = asyncio.ensure_future(
+                    self._name_if_no_averages(peer_id, exchange)
+                )
+                why = f"{_names([peer_id])} sent no averages {waited:.1f} s after the others'"
+                self.end_early(why)
+                raise AllreduceException(why)
+            return await exchange
+        finally:
+            watch.cancel()
+            if peer_id not in self._late:
+                exchange.cancel()
+
+    async def _silent_reducer(self, reducer: Any) -> float | None:
+        """Returns `reducer`'s start timeout once, for that long, it has sent this member no
+        average of its span while every other span's averages had come, though it sent its own
+        parts (so it runs the round) and no member is silent that it may be waiting for
+        (`_waiting_for_a_staller`); None as soon as it sends one, or where it has no start
+        timeout. Honest reducers combine the same senders' parts and answer within a moment of
+        each other; a staller frozen after sending its parts held its group until the reducer
+        timeout (bench attack: rounds of 13.6 s where 3 s is typical)."""
+        allowed = self._start_timeout.get(reducer)
+        if allowed is None:
+            return None
+        since = math.inf
+        while reducer not in self._delivered:
+            now = time.monotonic()
+            if self._only_one_missing(reducer):
+                since = min(since, now)
+                if now - since >= allowed:
+                    return allowed
+            else:
+                since = math.inf
+            await asyncio.sleep(WATCH_S)
+        return None
+
+    def _only_one_missing(self, reducer: Any) -> bool:
+        """Every span's averages but `reducer`'s have come, and it is the only one to blame."""
+        container = self.tensor_part_container
+        for index, (peer_id, parts) in enumerate(
+            zip(self.ordered_peer_ids, container.num_parts_by_peer, strict=False)
+        ):
+            if peer_id != reducer and container._outputs_registered_by_peer[index] < parts:
+                return False
+        return reducer in self.active_senders and not self._waiting_for_a_staller(reducer)
+
+    async def _name_if_no_averages(self, reducer: Any, exchange: asyncio.Future) -> None:
+        """After a round ended early for `reducer`'s silence: keep the exchange with it open
+        until the reducer timeout, counted from this member's start, and name it only if no
+        average of its span came by then (as when the round waited there) and, asked then for
+        its span, it does not answer within the sender timeout that it is not in the group. An
+        honest reducer that was merely slow costs a round and is not left out for it: one
+        frozen for a while (an overloaded machine: tests/peer_attack_harness.py, `late`) wakes
+        into a round the others have left, gives up on it, and says so; a staller frozen
+        longer says nothing."""
+        deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
+        await asyncio.wait((exchange,), timeout=max(deadline - time.monotonic(), 0.01))
+        exchange.cancel()
+        if reducer in self._delivered or self._waiting_for_a_staller(reducer):
+            return
+        asked = time.monotonic() + (self.sender_timeout or START_FLOOR_S)
+        if not await self._answers(reducer, asked):
+            self._stalled(reducer, "sent no averages of its span")
+
+    async def _exchange(self, peer_id: Any) -> None:
+        """Send `peer_id` this member's parts of its span and take its averages (hivemind's)."""
+        try:
+            return await super()._communicate_with_peer(peer_id)
+        except asyncio.TimeoutError:
+            if peer_id not in self._late and not self._waiting_for_a_staller(peer_id):
+                self._stalled(peer_id, "sent no averages of its span")
+            # its span holds our own part, not an average: the probes discard the round,
+            # so it ends now, not at the round's timeout (an audit waited there for the
+            # staller's verdicts: a stalled round took 15 s of the bench's 15, not 10)
+            self.finalize(exception=AllreduceException(f"{peer_id} sent no averages in time"))
+            raise
+        except AllreduceException as e:
+            if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
+                self._not_in_group.add(peer_id)
+            raise
+
+    async def _reduce_own_span(self) -> None:
+        """This member's own span: the average through the codec the others receive it in."""
+        peer_id = self.peer_id
         container = self.tensor_part_container
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
@@ -411,6 +494,12 @@ class ExactAverageRunner(CountedRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    """Takes a finished task's exception, so that asyncio does not report it unretrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _names(peers: list[Any]) -> str:
