@@ -733,17 +733,21 @@ def test_a_round_ends_at_the_start_timeout_where_a_reducer_never_opened_its_stre
     assert waited < 0.4 and why.startswith("b opened no stream"), (waited, why)
 
 
-def reducer_waited(
-    delays: dict[str, float | str | None],
+async def reducer_waited(
+    delays: dict[str, float | str | None], robust: bool = False
 ) -> tuple[float, str, list[str], list[str]]:
-    """A real runner of members me, o and r, each reducing a span, both others' parts come:
-    o and r send their span's averages after `delays` seconds (None: never, and they answer
-    nothing after, frozen after sending their parts; "left": never, and asked later for their
-    span they answer that they are not in the group). Start timeouts 0.2 s, sender timeout
-    0.5 s, reducer timeout 1 s. (When both exchanges ended, relative to the start; how the
-    round ended; who was named by then, and by 1.8 s.)"""
+    """A real runner of members me, o and r, each reducing a span, whose averager heard both
+    others' parts (as guarded.py tells it): o and r send their span's averages after `delays`
+    seconds (None: never, and they answer nothing after, frozen after sending their parts;
+    "left": never, and asked later for their span they answer that they are not in the group).
+    `robust`: the defended runner (robust.py), which checks each average as it comes. Start
+    timeouts 0.3 s, sender timeout 0.75 s, reducer timeout 1.5 s. (When both exchanges ended,
+    relative to the start; how the round ended; who was named by then, and by 2.8 s.)"""
     from hivemind.compression import serialize_torch_tensor
     from hivemind.p2p import PeerID
+
+    from atomtrain.peer.bounds import DELTA
+    from atomtrain.peer.robust import RobustRunner
 
     def peer_id(name: str) -> PeerID:
         return PeerID(b"\x00\x24\x08\x01\x12\x20" + hashlib.sha256(name.encode()).digest())
@@ -753,13 +757,18 @@ def reducer_waited(
 
     async def scenario() -> tuple[float, str, list[str], list[str]]:
         named: list[str] = []
-        runner = ExactAverageRunner(
+        common = dict(
             p2p=SimpleNamespace(peer_id=ids["me"]), servicer_type=GuardedAverager, prefix="t",
             group_id=b"g", tensors=[torch.arange(96.0)], ordered_peer_ids=list(ids.values()),
-            peer_fractions=(1 / 3, 1 / 3, 1 / 3), sender_timeout=0.5, reducer_timeout=1.0,
-            traffic=Traffic(), part_size_bytes=64, start_timeouts=[0.2, 0.2, 0.2],
-            on_stall=lambda p, why: named.append(names[p]),
+            peer_fractions=(1 / 3, 1 / 3, 1 / 3), sender_timeout=0.75, reducer_timeout=1.5,
+            traffic=Traffic(), part_size_bytes=64, start_timeouts=[0.3, 0.3, 0.3],
+            on_stall=lambda p, why: named.append(names[p]), heard={ids["o"], ids["r"]},
         )  # fmt: skip
+        defended = dict(
+            kinds=[DELTA], weights={}, reported_rms={}, banned=set(), in_sync=None,
+            defence=Defence(audit=False), on_reject=lambda p, why: named.append(f"banned {p}"),
+        )  # fmt: skip
+        runner = RobustRunner(**common, **defended) if robust else ExactAverageRunner(**common)
         container = runner.tensor_part_container
         parts = [[t for t, _ in container._input_parts_by_peer[i]] for i in range(3)]
         assert all(len(p) > 1 for p in parts)
@@ -779,7 +788,7 @@ def reducer_waited(
                     if again or not isinstance(delay, float):
                         await asyncio.Event().wait()
                     await asyncio.sleep(delay)
-                    for part in parts[index]:
+                    for part in parts[index]:  # (this member's own parts: within every bound)
                         code = averaging_pb2.AVERAGED_PART
                         yield averaging_pb2.AveragingData(
                             code=code, tensor_part=serialize_torch_tensor(part)
@@ -797,30 +806,37 @@ def reducer_waited(
         done = runner._future.done() and runner._future.exception() is not None
         why = str(runner._future.exception()) if done else ""
         named_then = list(named)
-        await asyncio.sleep(max(runner._started + 1.8 - time.monotonic(), 0.0))
+        await asyncio.sleep(max(runner._started + 2.8 - time.monotonic(), 0.0))
         return ended, why, named_then, named
 
-    return asyncio.run(scenario())
+    return await scenario()
 
 
-def test_a_reducer_that_alone_sends_no_averages_ends_the_round_at_its_start_timeout():
+@pytest.mark.parametrize("robust", [False, True], ids=["exact", "robust"])
+def test_a_reducer_that_alone_sends_no_averages_ends_the_round_at_its_start_timeout(robust):
     """A member frozen after sending its parts (bench attack's staller) sends no averages of
     its span: once every other span's averages came, the round ends at that reducer's start
     timeout, not at the reducer timeout (13.6 s rounds where 3 s is typical). It is named only
     if its averages have not come by the reducer timeout and, asked then for its span, it does
-    not say it is not in the group: a merely slow honest reducer, or one that woke into a round
-    the others had left, costs a round and is not left out. Where another span's averages are
-    missing too, nothing ends early, and a reducer that answers in time ends nothing."""
-    ended, why, then, later = reducer_waited({"o": 0.0, "r": None})
-    assert ended < 0.6 and why.endswith("sent no averages 0.2 s after the others'"), (ended, why)
+    not say it is not in the group: a merely slow honest reducer (its averages, come after the
+    round ended, counted though the robust runner can no longer check them), or one that woke
+    into a round the others had left, costs a round and is not left out. Where another span's
+    averages are missing too, nothing ends early, and a reducer that answers in time ends
+    nothing."""
+    cases = [{"o": 0.0, "r": r} for r in (None, 1.0, "left", 0.0)] + [{"o": None, "r": None}]
+
+    async def all_cases() -> list[tuple[float, str, list[str], list[str]]]:
+        return await asyncio.gather(*(reducer_waited(c, robust) for c in cases))  # 2.8 s, not 14
+
+    frozen, slow, left, in_time, both = asyncio.run(all_cases())
+    ended, why, then, later = frozen
+    assert ended < 0.9 and why.endswith("sent no averages 0.3 s after the others'"), (ended, why)
     assert then == [] and later == ["r"], (then, later)
-    for late in (0.6, "left"):
-        ended, why, then, later = reducer_waited({"o": 0.0, "r": late})
-        assert ended < 0.6 and "sent no averages" in why and later == [], (late, ended, later)
-    ended, why, then, later = reducer_waited({"o": 0.0, "r": 0.05})
-    assert why == "" and later == [], (ended, why, later)
-    ended, why, then, later = reducer_waited({"o": None, "r": None})  # the reducer timeout's
-    assert ended >= 1.0 and "sent no averages in time" in why and later, (ended, why, later)
+    for ended, why, _, later in (slow, left):
+        assert ended < 0.9 and "sent no averages" in why and later == [], (ended, why, later)
+    assert in_time[1] == "" and in_time[3] == [], in_time
+    ended, why, _, later = both  # the reducer timeout's
+    assert ended >= 1.5 and "sent no averages in time" in why and later, (ended, why, later)
 
 
 def test_each_members_start_timeout_follows_its_declared_lag_within_the_groups_cap():

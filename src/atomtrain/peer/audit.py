@@ -145,6 +145,8 @@ class AuditedRunner(RobustRunner):
 
         def sketched(peer_index: int, part_index: int, average: torch.Tensor) -> None:
             register(peer_index, part_index, average)  # checked first (robust.py)
+            if self._future.done():  # came after the round ended: nothing to audit
+                return
             seed = self._seeds[peer_index]
             self._seen[peer_index][part_index] = self._loop.run_in_executor(
                 None, project, seed, part_index, average

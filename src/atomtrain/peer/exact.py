@@ -296,12 +296,13 @@ class ExactAverageRunner(CountedRunner):
         for peer_id in silent_members(still, self._leader):
             self._stalled(peer_id, "sent none of its parts")
 
-    async def _answers(self, peer_id: Any, deadline: float) -> bool:
+    async def _answers(self, peer_id: Any, deadline: float, parts_count: bool = True) -> bool:
         """Whether `peer_id` answers a request for its span of this round, before `deadline`,
         that it is not in the group (an honest member that missed its leader's word says so once
         it stops looking for a group: as `_not_in_group`, such a member is not named). Its parts
-        reaching this member meanwhile count too. Any other answer spares no one: a staller
-        that keeps its averager answering but sends nothing is still named."""
+        reaching this member meanwhile count too, if `parts_count` (not for a reducer whose
+        parts came: _name_if_no_averages). Any other answer spares no one: a staller that keeps
+        its averager answering but sends nothing is still named."""
 
         async def ask() -> AsyncIterator[averaging_pb2.AveragingData]:
             yield averaging_pb2.AveragingData(
@@ -316,11 +317,11 @@ class ExactAverageRunner(CountedRunner):
             if await asyncio.wait_for(answer(), max(deadline - time.monotonic(), 0.01)):
                 return True
         except asyncio.TimeoutError:
-            return peer_id in self._heard_late
+            return parts_count and peer_id in self._heard_late
         except Exception:  # unreachable or hung up: as silent as before
             pass
         await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
-        return peer_id in self._heard_late
+        return parts_count and peer_id in self._heard_late
 
     def _waiting_for_a_staller(self, reducer: Any) -> bool:
         """Another member sent this one none of its parts: `reducer` may be waiting out its
@@ -352,7 +353,7 @@ class ExactAverageRunner(CountedRunner):
         try:
             await asyncio.wait((exchange, watch), return_when=asyncio.FIRST_COMPLETED)
             waited = None if exchange.done() or not watch.done() else watch.result()
-            if waited is not None:  # its span will have no average: the round is lost
+            if waited is not None and not self._future.done():  # the round is lost
                 self._late[peer_id] = asyncio.ensure_future(
                     self._name_if_no_averages(peer_id, exchange)
                 )
@@ -363,7 +364,8 @@ class ExactAverageRunner(CountedRunner):
         finally:
             watch.cancel()
             if peer_id not in self._late:
-                exchange.cancel()
+                exchange.cancel()  # its clean-up within the round, as hivemind's was
+                await asyncio.wait((exchange,))
 
     async def _silent_reducer(self, reducer: Any) -> float | None:
         """Returns `reducer`'s start timeout once, for that long, it has sent this member no
@@ -406,14 +408,19 @@ class ExactAverageRunner(CountedRunner):
         honest reducer that was merely slow costs a round and is not left out for it: one
         frozen for a while (an overloaded machine: tests/peer_attack_harness.py, `late`) wakes
         into a round the others have left, gives up on it, and says so; a staller frozen
-        longer says nothing."""
+        longer says nothing. (One that withholds its averages and says so goes unnamed, as one
+        that refuses its span at once does; so does a sender that delays its parts to one
+        reducer past that reducer's start timeout, within its sender timeout: either costs
+        each round it joins its start timeout, not the reducer timeout.)"""
         deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
         await asyncio.wait((exchange,), timeout=max(deadline - time.monotonic(), 0.01))
+        if reducer not in self._delivered:  # (an exchange that failed early: not asked before)
+            await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
         exchange.cancel()
         if reducer in self._delivered or self._waiting_for_a_staller(reducer):
             return
         asked = time.monotonic() + (self.sender_timeout or START_FLOOR_S)
-        if not await self._answers(reducer, asked):
+        if not await self._answers(reducer, asked, parts_count=False):
             self._stalled(reducer, "sent no averages of its span")
 
     async def _exchange(self, peer_id: Any) -> None:

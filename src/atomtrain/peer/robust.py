@@ -358,7 +358,9 @@ class RobustRunner(ExactAverageRunner):
         register = self.tensor_part_container.register_processed_part
 
         def checked(peer_index: int, part_index: int, average: torch.Tensor) -> None:
-            if peer_index != own_index:
+            # (averages that come after the round ended are only counted as delivered,
+            # exact._name_if_no_averages: the parts they are checked against are gone)
+            if peer_index != own_index and not self._future.done():
                 self._check_reduced(peer_index, part_index, average)
             register(peer_index, part_index, average)
 
