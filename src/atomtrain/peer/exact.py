@@ -28,9 +28,10 @@ It also tells who stalled the round (`on_stall`): a member that joined the group
 its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout; where
 the round ended early, parts that came after it still count as sent), or a reducer that sent no
 averages within the reducer timeout, counted from this member's start, whether or not the round
-ended early (a slow one then costs a round, and is not named). (A member that crashed looks the
-same; the averager excludes either for a while.) Where the group's leader sent nothing either, only
-the leader is named: it may never have told the others (silent_members). A reducer is not named for
+ended early (a slow one then costs a round, and is not named; nor is one that, asked then for its
+span, says it is not in the group: _name_if_no_averages). (A member that crashed looks the same;
+the averager excludes either for a while.) Where the group's leader sent nothing either, only the
+leader is named: it may never have told the others (silent_members). A reducer is not named for
 late averages in a round where another member sent this one nothing: it may have waited for that
 member's parts, from its own, later start of the round. A member that answers it is not in the
 group is not named: an honest one that missed its leader's word (guarded.py, _group_runner) says
