@@ -21,11 +21,14 @@ every round (the others start theirs a second later), so peer 0 finds in its gro
 banned, taken in by a third party. With `stall_leader`, peer 2 starts each round first (so it
 leads), tells only the first follower of its group, never runs its all-reduce, and is frozen as
 `stall` is soon after: the member told waits for the other honest one, which, never told, sent
-nothing either (stall_leader_patches).
+nothing either (stall_leader_patches). With `withhold`, peer 2 sends its parts as an honest member
+does, and its averager then answers no stream of parts, nor any later ask, for its span: it sends
+no averages (withheld_span_patches).
 """
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -208,6 +211,23 @@ def silent_member_patches() -> None:
     guarded.GuardedAverager._run_allreduce_inplace_ = _run_allreduce_inplace_
 
 
+def withheld_span_patches() -> None:
+    """`withhold`'s averager (forked from this process): every stream of parts another member
+    opens to it, or asks it with, hangs unanswered (as a member frozen after sending its own
+    parts: bench attack's staller, when SIGSTOP lands there); its own parts go out as usual."""
+
+    from hivemind.p2p import P2PContext
+    from hivemind.proto import averaging_pb2
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        await asyncio.Event().wait()
+        yield averaging_pb2.AveragingData()  # (never: an async generator, as hivemind's is)
+
+    guarded.GuardedAverager.rpc_aggregate_part = rpc_aggregate_part
+
+
 def main() -> None:
     index, attack, defend, work = (
         int(sys.argv[1]),
@@ -253,6 +273,13 @@ def main() -> None:
         stall_leader_patches()
     if attack == "stall" and index == 2:
         silent_member_patches()
+    if attack == "withhold" and index == 2:
+        withheld_span_patches()
+    if attack == "withhold":  # how each round ended early, into this peer's log
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logging.getLogger("atomtrain.peer.exact").addHandler(handler)
+        logging.getLogger("atomtrain.peer.exact").setLevel(logging.INFO)
     gate = MemberGate(KEY, "atk")
     if attack == "banned_by_0":
         if index == 2:
@@ -278,7 +305,7 @@ def main() -> None:
         lambda: ({}, []),
         gate,
         Defence() if defend else None,
-        attack=attack if index == 2 and attack != "banned_by_0" else "",
+        attack=attack if index == 2 and attack not in ("banned_by_0", "withhold") else "",
     )
     delta, weight, rms_claim = vectors(index), 1.0, 0.0
     if index == 2:

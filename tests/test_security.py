@@ -479,6 +479,29 @@ def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: P
         assert not out["rejected"]  # left out for a while, not banned for good
 
 
+def test_a_member_that_withholds_its_spans_averages_ends_rounds_early_and_is_left_out(
+    tmp_path: Path,
+):
+    """Peer 2 sends its parts as an honest member does, then answers no stream for the span it
+    reduces, nor the ask after (peer_attack_harness.withheld_span_patches: bench attack's staller
+    when its freeze lands after its parts went out). Each honest peer ends such a round once
+    every other span's averages came and peer 2's did not for its start timeout, not at the
+    reducer timeout (exact._silent_reducer: its log says so), names it at the reducer timeout,
+    and leaves it out: the later rounds land between the honest pair."""
+    outs = run_round(tmp_path, "withhold", defend=True)
+    logs = [(tmp_path / "withhold-defended" / f"log{i}.txt").read_text() for i in range(3)]
+    ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
+    for i, out in outs.items():
+        ended = [line for line in logs[i].splitlines() if "after the others'" in line]
+        assert ended and all("sent no averages" in line for line in ended), (logs[i][-3000:], ids)
+        assert [name for name, _ in out["stalled"]] == ["h2"], out["stalled"]
+        assert {why for _, why in out["stalled"]} == {"sent no averages of its span"}
+        later = [r for r in out["rounds"][1:] if not r["failed"]]
+        assert later and all(r["group"] == 2 for r in later), (out["rounds"], ids)
+        assert all(torch.allclose(r["delta"], honest_mean(), atol=1e-6) for r in later)
+        assert not out["rejected"]  # left out for a while, not banned for good
+
+
 def test_a_member_bringing_its_weight_average_reads_no_one_but_is_itself_still_read():
     from atomtrain.peer.guarded import reads_members
 
