@@ -315,7 +315,8 @@ def main() -> None:
     rounds, rejected, stalled = [], [], []
     # late: named in its first, or never; forge_gather: one round more, so that a first round that
     # finds no group on a loaded machine still leaves the forged round and two after it
-    for r in range({"late": 2, "forge_gather": ROUNDS + 1}.get(attack, ROUNDS)):
+    # withhold: its first round ends early, its second lands between the honest pair
+    for r in range({"late": 2, "withhold": 2, "forge_gather": ROUNDS + 1}.get(attack, ROUNDS)):
         # the proof lives 30 s in the DHT (auth.PROOF_TTL_S); a peer re-stores it every 10 s: so
         # does each process here, before each round (a round after 30 s found no certificate)
         declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
