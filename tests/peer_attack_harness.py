@@ -315,8 +315,7 @@ def main() -> None:
     rounds, rejected, stalled = [], [], []
     # late: named in its first, or never; forge_gather: one round more, so that a first round that
     # finds no group on a loaded machine still leaves the forged round and two after it
-    # withhold: its first round ends early, its second lands between the honest pair
-    for r in range({"late": 2, "withhold": 2, "forge_gather": ROUNDS + 1}.get(attack, ROUNDS)):
+    for r in range({"late": 2, "forge_gather": ROUNDS + 1}.get(attack, ROUNDS)):
         # the proof lives 30 s in the DHT (auth.PROOF_TTL_S); a peer re-stores it every 10 s: so
         # does each process here, before each round (a round after 30 s found no certificate)
         declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
@@ -358,6 +357,11 @@ def main() -> None:
         (work / f"done{r}_{index}").touch()
         rejected += avg.rejections()
         stalled += getattr(avg, "stalls", list)()
+    if attack == "withhold" and index < 2:  # named once its exchange's reducer timeout and the
+        deadline = time.monotonic() + TIMEOUT_S  # ask after it passed: wait out the last ask
+        while not stalled and time.monotonic() < deadline:
+            time.sleep(0.1)
+            stalled += avg.stalls()
     if index < 2:
         torch.save(
             {"rounds": rounds, "rejected": rejected, "stalled": stalled}, work / f"out{index}.pt"

@@ -486,8 +486,9 @@ def test_a_member_that_withholds_its_spans_averages_ends_rounds_early_and_is_lef
     reduces, nor the ask after (peer_attack_harness.withheld_span_patches: bench attack's staller
     when its freeze lands after its parts went out). Each honest peer ends such a round once
     every other span's averages came and peer 2's did not for its start timeout, not at the
-    reducer timeout (exact._silent_reducer: its log says so), names it at the reducer timeout,
-    and leaves it out: the later rounds land between the honest pair."""
+    reducer timeout (exact._silent_reducer: its log says so), names it at the reducer timeout
+    (and after asking it: about 8 s after its first round began, as its second may be ending,
+    so three rounds), and leaves it out: the later rounds land between the honest pair."""
     outs = run_round(tmp_path, "withhold", defend=True)
     logs = [(tmp_path / "withhold-defended" / f"log{i}.txt").read_text() for i in range(3)]
     ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
