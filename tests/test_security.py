@@ -495,6 +495,7 @@ def test_a_member_that_withholds_its_spans_averages_ends_rounds_early_and_is_lef
     for i, out in outs.items():
         ended = [line for line in logs[i].splitlines() if "after the others'" in line]
         assert ended and all("sent no averages" in line for line in ended), (logs[i][-3000:], ids)
+        assert "sent no averages in time" not in logs[i], logs[i][-3000:]  # (the reducer timeout)
         assert [name for name, _ in out["stalled"]] == ["h2"], out["stalled"]
         assert {why for _, why in out["stalled"]} == {"sent no averages of its span"}
         later = [r for r in out["rounds"][1:] if not r["failed"]]
@@ -766,7 +767,8 @@ async def reducer_waited(
     "left": never, and asked later for their span they answer that they are not in the group).
     `robust`: the defended runner (robust.py), which checks each average as it comes. Start
     timeouts 0.3 s, sender timeout 0.75 s, reducer timeout 1.5 s. (When both exchanges ended,
-    relative to the start; how the round ended; who was named by then, and by 2.8 s.)"""
+    relative to the start; how the round ended; who was named by then, and by 3.3 s: a frozen
+    one is named at about 2.25 s.)"""
     from hivemind.compression import serialize_torch_tensor
     from hivemind.p2p import PeerID
 
@@ -830,7 +832,7 @@ async def reducer_waited(
         done = runner._future.done() and runner._future.exception() is not None
         why = str(runner._future.exception()) if done else ""
         named_then = list(named)
-        await asyncio.sleep(max(runner._started + 2.8 - time.monotonic(), 0.0))
+        await asyncio.sleep(max(runner._started + 3.3 - time.monotonic(), 0.0))
         return ended, why, named_then, named
 
     return await scenario()
@@ -850,7 +852,7 @@ def test_a_reducer_that_alone_sends_no_averages_ends_the_round_at_its_start_time
 
     async def all_cases() -> list[tuple[float, str, list[str], list[str]]]:
         runs = [reducer_waited(c, robust) for robust in (False, True) for c in cases]
-        return await asyncio.gather(*runs)  # all at once: 2.8 s, not 28
+        return await asyncio.gather(*runs)  # all at once: 3.3 s, not 33
 
     results = asyncio.run(all_cases())
     for robust, (frozen, slow, left, in_time, both) in enumerate((results[:5], results[5:])):

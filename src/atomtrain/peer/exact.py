@@ -281,6 +281,7 @@ class ExactAverageRunner(CountedRunner):
         self._unheard = set(unheard)
         deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
         self._verdict = asyncio.create_task(self._name_if_unheard(unheard, deadline))
+        self._verdict.add_done_callback(_retrieved)
         self.finalize(exception=AllreduceException(why))
 
     def heard(self, peer_id: Any) -> None:
@@ -358,6 +359,7 @@ class ExactAverageRunner(CountedRunner):
                 self._late[peer_id] = asyncio.ensure_future(
                     self._name_if_no_averages(peer_id, exchange)
                 )
+                self._late[peer_id].add_done_callback(_retrieved)
                 why = f"{_names([peer_id])} sent no averages {waited:.1f} s after the others'"
                 self.end_early(why)
                 raise AllreduceException(why)
@@ -414,10 +416,12 @@ class ExactAverageRunner(CountedRunner):
         reducer past that reducer's start timeout, within its sender timeout: either costs
         each round it joins its start timeout, not the reducer timeout.)"""
         deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
-        await asyncio.wait((exchange,), timeout=max(deadline - time.monotonic(), 0.01))
-        if reducer not in self._delivered:  # (an exchange that failed early: not asked before)
-            await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
-        exchange.cancel()
+        try:
+            await asyncio.wait((exchange,), timeout=max(deadline - time.monotonic(), 0.01))
+            if reducer not in self._delivered:  # (an exchange that failed early: asked later)
+                await asyncio.sleep(max(deadline - time.monotonic(), 0.0))
+        finally:
+            exchange.cancel()
         if reducer in self._delivered or self._waiting_for_a_staller(reducer):
             return
         asked = time.monotonic() + (self.sender_timeout or START_FLOOR_S)
@@ -458,6 +462,16 @@ class ExactAverageRunner(CountedRunner):
             container.register_processed_part(
                 peer_index, part_index, deserialize_torch_tensor(wire)
             )
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[Any]:
+        """hivemind's, stopped once the round has ended: an exchange kept open past it
+        (_name_if_no_averages) would read its parts from tensors a retry, or the next round,
+        writes anew, and a reducer that woke late would average those in. It then drops this
+        member as a sender for its span instead."""
+        async for message in super()._generate_input_for_peer(peer_index):
+            if self._future.done():
+                return
+            yield message
 
     def _own_input(self, part_index: int, part: Any, info: Any) -> Any:
         """What this member reduces as its own part of its span (audit.py: through the codec)."""
