@@ -5,8 +5,14 @@
 Peer 0 starts the DHT and writes its address to WORKDIR/addr; others join it. Each peer averages
 its own known pseudo-gradient once and saves what came back to WORKDIR/out{INDEX}.pt. SKETCH:
 where the peer says its synchronized parameters are (sync.py; members agree at 0).
+
+With HARNESS_PEERS=N in the environment, each peer writes its peer ID to WORKDIR/id{INDEX}, waits
+for N of them, and tells its averager those others (and those in HARNESS_ALSO_LIVE, comma
+separated) are live, as a peer's presence does (assembly.py); HARNESS_MATCHMAKING_S sets the
+matchmaking time (3 s). The out file also holds the round's wall time (`round_s`).
 """
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -44,6 +50,7 @@ def averaged_round(
 
     rms = rms_claim or float(delta.pow(2).mean().sqrt())
     info = {"name": name, "round": 0, "sketch": [sketch] * 64, "update_size": 1.0, "rms": rms}
+    began = time.monotonic()
     avg.start(write, weight, lambda: info)
     while not avg.done():
         if give_up is not None and give_up() and not avg.group_found():
@@ -55,7 +62,27 @@ def averaged_round(
     with avg.averaged() as pairs:
         for piece, (mean, _own) in zip(avg.pieces, pairs, strict=True):
             flat[piece.offset : piece.offset + piece.numel] = mean.float()
-    return {"delta": flat, "group": result.group_size, "in_sync": result.in_sync}
+    return {
+        "delta": flat,
+        "group": result.group_size,
+        "in_sync": result.in_sync,
+        "round_s": time.monotonic() - began,
+    }
+
+
+def live_others(index: int, work: Path, dht: DHT) -> list[str]:
+    """HARNESS_PEERS: this peer's ID written, the others' read once all are there."""
+    peers = int(os.environ.get("HARNESS_PEERS", "0"))
+    if not peers:
+        return []
+    own = dht.peer_id.to_base58()
+    (work / f"id{index}.tmp").write_text(own)
+    (work / f"id{index}.tmp").rename(work / f"id{index}")
+    while len(list(work.glob("id[0-9]*"))) < peers:
+        time.sleep(0.05)
+    ids = [f.read_text() for f in sorted(work.glob("id[0-9]*"))]
+    also = [p for p in os.environ.get("HARNESS_ALSO_LIVE", "").split(",") if p]
+    return [p for p in ids if p != own] + also
 
 
 def main() -> None:
@@ -74,15 +101,17 @@ def main() -> None:
         dht = DHT(
             initial_peers=[addr_file.read_text()], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
         )
+    others = live_others(index, work, dht)
     avg = ProbedAverager(
         dht,
         "harness",
         cut_pieces({"a": 1000, "b": NUMEL - 1000}),
         compression,
-        matchmaking_s=3.0,
+        matchmaking_s=float(os.environ.get("HARNESS_MATCHMAKING_S", "3.0")),
         timeout_s=30.0,
         target_group_size=8,
         state_provider=lambda: ({}, []),
+        live_others=lambda: others,
     )
     out = averaged_round(avg, vectors(index), weight, f"h{index}", sketch=sketch)
     torch.save(out, work / f"out{index}.pt")

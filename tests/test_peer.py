@@ -1,6 +1,7 @@
 """Real peers on 127.0.0.1: hivemind daemons, one process per peer, every child reaped."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -38,10 +39,12 @@ SMALL = [
 ]
 
 
-def round_of_harnesses(args: list[list[str]]) -> None:
-    """One averaging round of peer_round_harness.py processes, peer i with args[i]."""
+def round_of_harnesses(args: list[list[str]], env: dict[str, str] | None = None) -> None:
+    """One averaging round of peer_round_harness.py processes, peer i with args[i] (`env`: more
+    of the harness's settings)."""
     harness = [sys.executable, str(HERE / "peer_round_harness.py")]
-    procs = [subprocess.Popen([*harness, str(i), *a]) for i, a in enumerate(args)]
+    env = {**os.environ, **(env or {})}
+    procs = [subprocess.Popen([*harness, str(i), *a], env=env) for i, a in enumerate(args)]
     try:
         for p in procs:
             assert p.wait(timeout=120) == 0
@@ -90,6 +93,70 @@ def test_an_undefended_round_leaves_out_the_update_of_a_member_out_of_sync(tmp_p
         assert sorted(out["in_sync"]) == [False, True, True]  # (in the group's order)
         assert torch.equal(out["delta"], outs[0]["delta"])
         assert float((out["delta"] - want).abs().max()) <= 4 * 2**-11 * 5
+
+
+def test_a_leader_forms_its_group_once_every_live_member_joined(tmp_path: Path):
+    # each knows the two others are live (assembly.py): the group forms as the last joins,
+    # long before the 30 s matchmaking time hivemind's leader would wait out in a swarm
+    # smaller than its target group size (8 here)
+    weights = [1.0, 2.0, 3.0]
+    round_of_harnesses(
+        [[str(w), str(tmp_path)] for w in weights],
+        env={"HARNESS_PEERS": "3", "HARNESS_MATCHMAKING_S": "30"},
+    )
+    want = sum(w * vectors(i) for i, w in enumerate(weights)) / sum(weights)
+    for i in range(3):
+        out = torch.load(tmp_path / f"out{i}.pt")
+        assert out["group"] == 3
+        assert out["round_s"] < 15.0, out["round_s"]
+        assert float((out["delta"] - want).abs().max()) <= 4 * 2**-11 * 5
+
+
+def test_a_leader_waits_out_its_matchmaking_time_for_a_live_member_that_has_not_joined(
+    tmp_path: Path,
+):
+    # a third live member (its status fresh, its peer ID real) never joins: the two that did
+    # form their group only when the matchmaking time ends, as before
+    from atomtrain.peer.certs import write_new_identity
+
+    absent = write_new_identity(tmp_path / "absent.id").peer_id
+    round_of_harnesses(
+        [["1.0", str(tmp_path)], ["1.0", str(tmp_path)]],
+        env={"HARNESS_PEERS": "2", "HARNESS_MATCHMAKING_S": "4", "HARNESS_ALSO_LIVE": absent},
+    )
+    for i in range(2):
+        out = torch.load(tmp_path / f"out{i}.pt")
+        assert out["group"] == 2
+        assert out["round_s"] >= 3.5, out["round_s"]
+
+
+def test_a_leader_counts_only_the_expected_members_it_does_not_leave_out():
+    from atomtrain.peer.assembly import all_expected_joined
+
+    def ok(p: str) -> bool:
+        return p != "left-out"
+
+    assert all_expected_joined("me", ["a", "b"], ["a", "b", "me"], ok)
+    assert all_expected_joined("me", ["a", "b", "joiner"], ["a", "b"], ok)  # one not known yet
+    assert not all_expected_joined("me", ["a"], ["a", "b"], ok)  # b is waited for
+    assert all_expected_joined("me", ["a"], ["a", "left-out"], ok)  # left out: not waited for
+    assert not all_expected_joined("me", ["a"], [], ok)  # none expected: hivemind's rule
+    assert not all_expected_joined("me", [], ["left-out"], ok)  # never a group of one
+
+
+def test_the_live_members_list_crosses_to_the_averager_whole_or_not_at_all():
+    from atomtrain.peer.assembly import ExpectedMembers
+
+    ids = ["12D3KooW" + "x" * 44, "QmY" + "y" * 43]
+    members = ExpectedMembers(8)
+    members.write(ids)
+    assert members.read() == ids
+    members.write([])
+    assert members.read() == []
+    members.write([f"{i}" * 50 for i in range(8)])  # as many as the target: hivemind's rule
+    assert members.read() == []
+    members.write(["a\nb", "c"])  # no entry splits into two
+    assert members.read() == ["c"]
 
 
 def test_the_4bit_codec_packs_two_values_a_byte_and_keeps_bucket_means():

@@ -50,6 +50,7 @@ from hivemind.compression import (
 from hivemind.utils import MPFuture
 
 from atomtrain.errors import AtomError
+from atomtrain.peer.assembly import ExpectedMembers
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.bounds import (
     DELTA,
@@ -119,9 +120,12 @@ class ProbedAverager:
         defence: Defence | None = None,
         attack: str = "",
         start_timeout_s: float = START_FLOOR_S,
+        live_others: Callable[[], list[str]] = list,
     ) -> None:
         """`attack`: `forge_gather` makes this averager a leader that forges (bench attack);
-        `start_timeout_s`: exact.py's floor of each member's start timeout."""
+        `start_timeout_s`: exact.py's floor of each member's start timeout; `live_others`: the
+        peer IDs of the live others, read at each round's start (a leader that has them all in
+        its group forms it at once: assembly.py)."""
         self.pieces = pieces
         self.timeout_s = timeout_s
         wire, dtype, _ = codec(compression)
@@ -141,6 +145,8 @@ class ProbedAverager:
         self._events: Any = mp.get_context("fork").Queue()
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
         self._attempts: Any = mp.get_context("fork").Value("i", 0)  # groups this round ran with
+        self._expected = ExpectedMembers(target_group_size)
+        self._live_others = live_others
         self._stalls: list[tuple[str, str]] = []
         self._agreements: list[tuple[str, str, float]] = []
         self.rejected_ids: set[str] = set()  # peer IDs (base58) rejected, as events came
@@ -166,6 +172,7 @@ class ProbedAverager:
             window_s=timeout_s + 2 * matchmaking_s,
             start_timeout_s=start_timeout_s,
             attack=attack,
+            expected=self._expected,
             prefix=prefix,
             start=True,
             target_group_size=target_group_size,
@@ -237,6 +244,7 @@ class ProbedAverager:
         self._discard.value = 0
         self._attempts.value = 0
         self._probe_in.fill_(self._probe)
+        self._expected.write(self._live_others())
         gather = {**info, "probe": self._probe, "weight": weight}
         if self.defence is not None:  # every reducer and auditor of the group uses its median
             gather["min_scale"] = self.defence.min_scale

@@ -45,6 +45,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.timed_storage import get_dht_time
 
+from atomtrain.peer.assembly import ExpectedMembers, all_expected_joined
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
@@ -105,9 +106,12 @@ class GuardedAverager(DecentralizedAverager):
         window_s: float = 60.0,
         start_timeout_s: float = START_FLOOR_S,
         attack: str = "",
+        expected: ExpectedMembers | None = None,
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
+        self._expected_members = expected
+        self._expected: list[PeerID] = []  # this round's live others (assembly.py)
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
         self._start_timeout_s = start_timeout_s
@@ -180,9 +184,29 @@ class GuardedAverager(DecentralizedAverager):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
+            if message.code == averaging_pb2.ACCEPTED:  # (hivemind's lock is held: see below)
+                await self._assemble_if_all_joined()
             if self._attack == "forge_gather" and message.code == averaging_pb2.BEGIN_ALLREDUCE:
                 forge_gathered(message, self.peer_id)  # bench attack only
             yield message
+
+    async def _assemble_if_all_joined(self) -> None:
+        """Form the group now when every member this leader expects has joined (assembly.py).
+        Called where hivemind checks its own `target_group_size`: just after it accepted a
+        follower, its request lock held by that call."""
+        matchmaking = self._matchmaking
+        if (
+            not matchmaking.assembled_group.done()
+            and matchmaking.is_looking_for_group
+            and matchmaking.current_leader is None
+            and all_expected_joined(
+                self.peer_id,
+                matchmaking.current_followers,
+                self._expected,
+                lambda p: not self._excluded(p) and p not in self._gate.banned,
+            )
+        ):
+            await matchmaking.leader_assemble_group()
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -349,6 +373,7 @@ class GuardedAverager(DecentralizedAverager):
         self._assembled.clear()
         self._gave_up_on.clear()
         self._round_at = step.scheduled_time
+        self._expected = self._read_expected()
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
                 self._gate.signing_key,
@@ -362,6 +387,17 @@ class GuardedAverager(DecentralizedAverager):
             return await super()._step(step=step, future_for_init=future_for_init)
         finally:
             self._assembled.clear()  # its groups ran, or never will
+
+    def _read_expected(self) -> list[PeerID]:
+        if self._expected_members is None:
+            return []
+        expected = []
+        for peer_id in self._expected_members.read():
+            try:
+                expected.append(PeerID.from_base58(peer_id))
+            except Exception:  # not a peer ID: no group is formed early for it
+                return []
+        return expected
 
     def _guard_leaders(self) -> None:
         """hivemind picks leaders from the DHT with no hook to refuse one: wrap the request so a

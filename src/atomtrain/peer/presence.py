@@ -333,6 +333,12 @@ class Presence:
         gone = (av.rejected_ids | av.left_out_ids) if av is not None else set()
         return 1 + sum(1 for s in self.known_others if not s.done and s.peer_id not in gone)
 
+    def live_other_ids(self) -> list[str]:
+        """The peer IDs of the live others that could take part in this peer's rounds (as the
+        status thread last read them, not past their last round): whom a leader waits for before
+        it forms its group (assembly.py; the averager leaves out whom it excludes or banned)."""
+        return [s.peer_id for s in self.known_others if not s.done]
+
     def statuses_of_others(self, wait_s: float) -> list[PeerStatus]:
         assert self.peer.dht is not None
         deadline = time.time() + wait_s

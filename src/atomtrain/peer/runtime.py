@@ -221,6 +221,7 @@ class PeerRuntime:
             else None,
             attack=self.cfg.attack,
             start_timeout_s=self.cfg.start_timeout_s,
+            live_others=self.presence.live_other_ids,
         )
         self.checker = StateCheck(self)
         if resumed is not None:
