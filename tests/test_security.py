@@ -760,7 +760,7 @@ def test_a_round_ends_at_the_start_timeout_where_a_reducer_never_opened_its_stre
 
 async def reducer_waited(
     delays: dict[str, float | str | None], robust: bool = False
-) -> tuple[float, str, list[str], list[str]]:
+) -> tuple[float, str, list[str], list[str], set[str]]:
     """A real runner of members me, o and r, each reducing a span, whose averager heard both
     others' parts (as guarded.py tells it): o and r send their span's averages after `delays`
     seconds (None: never, and they answer nothing after, frozen after sending their parts;
@@ -768,7 +768,8 @@ async def reducer_waited(
     `robust`: the defended runner (robust.py), which checks each average as it comes. Start
     timeouts 0.3 s, sender timeout 0.75 s, reducer timeout 1.5 s. (When both exchanges ended,
     relative to the start; how the round ended; who was named by then, and by 3.3 s: a frozen
-    one is named at about 2.25 s.)"""
+    one is named at about 2.25 s; whom it ended over, the round's retry waits for none of them.)
+    """
     from hivemind.compression import serialize_torch_tensor
     from hivemind.p2p import PeerID
 
@@ -781,7 +782,7 @@ async def reducer_waited(
     ids = {name: peer_id(name) for name in ("me", "o", "r")}
     names = {v: k for k, v in ids.items()}
 
-    async def scenario() -> tuple[float, str, list[str], list[str]]:
+    async def scenario() -> tuple[float, str, list[str], list[str], set[str]]:
         named: list[str] = []
         common = dict(
             p2p=SimpleNamespace(peer_id=ids["me"]), servicer_type=GuardedAverager, prefix="t",
@@ -831,9 +832,9 @@ async def reducer_waited(
         ended = time.monotonic() - runner._started
         done = runner._future.done() and runner._future.exception() is not None
         why = str(runner._future.exception()) if done else ""
-        named_then = list(named)
+        named_then, suspects = list(named), {names[p] for p in runner.suspects}
         await asyncio.sleep(max(runner._started + 3.3 - time.monotonic(), 0.0))
-        return ended, why, named_then, named
+        return ended, why, named_then, named, suspects
 
     return await scenario()
 
@@ -850,21 +851,23 @@ def test_a_reducer_that_alone_sends_no_averages_ends_the_round_at_its_start_time
     nothing. Both the plain runner and the defended one (robust.py)."""
     cases = [{"o": 0.0, "r": r} for r in (None, 1.0, "left", 0.0)] + [{"o": None, "r": None}]
 
-    async def all_cases() -> list[tuple[float, str, list[str], list[str]]]:
+    async def all_cases() -> list[tuple[float, str, list[str], list[str], set[str]]]:
         runs = [reducer_waited(c, robust) for robust in (False, True) for c in cases]
         return await asyncio.gather(*runs)  # all at once: 3.3 s, not 33
 
     results = asyncio.run(all_cases())
     for robust, (frozen, slow, left, in_time, both) in enumerate((results[:5], results[5:])):
-        ended, why, then, later = frozen
+        ended, why, then, later, suspects = frozen
         assert ended < 0.9 and why.endswith("sent no averages 0.3 s after the others'"), (
             robust, ended, why)  # fmt: skip
         assert then == [] and later == ["r"], (robust, then, later)
-        for ended, why, _, later in (slow, left):
+        assert suspects == {"r"}, (robust, suspects)  # its retry's leader does not wait for r
+        for ended, why, _, later, suspects in (slow, left):
             assert ended < 0.9 and "sent no averages" in why and later == [], (
                 robust, ended, why, later)  # fmt: skip
-        assert in_time[1] == "" and in_time[3] == [], (robust, in_time)
-        ended, why, _, later = both  # the reducer timeout's
+            assert suspects == {"r"}, (robust, suspects)
+        assert in_time[1] == "" and in_time[3] == [] and in_time[4] == set(), (robust, in_time)
+        ended, why, _, later, _ = both  # the reducer timeout's
         assert ended >= 1.5 and "sent no averages in time" in why and later, (
             robust, ended, why, later)  # fmt: skip
 

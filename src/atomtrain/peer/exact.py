@@ -284,6 +284,13 @@ class ExactAverageRunner(CountedRunner):
         self._verdict.add_done_callback(_retrieved)
         self.finalize(exception=AllreduceException(why))
 
+    @property
+    def suspects(self) -> set[Any]:
+        """The members this round ended early over (they had sent nothing, or a reducer no
+        averages): not named yet (that waits for the reducer timeout), but a leader does not wait
+        for them in the round's next try (assembly.py)."""
+        return self._unheard | set(self._late)
+
     def heard(self, peer_id: Any) -> None:
         """`peer_id` sent this member its parts of the round (perhaps after it ended)."""
         self._heard_late.add(peer_id)

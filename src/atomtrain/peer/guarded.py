@@ -112,6 +112,7 @@ class GuardedAverager(DecentralizedAverager):
         self._provider, self._gate, self._defence = provider, gate, defence
         self._expected_members = expected
         self._expected: list[PeerID] = []  # this round's live others (assembly.py)
+        self._suspects: set[PeerID] = set()  # whom this round's tries ended early over
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
         self._start_timeout_s = start_timeout_s
@@ -191,7 +192,9 @@ class GuardedAverager(DecentralizedAverager):
             yield message
 
     async def _assemble_if_all_joined(self) -> None:
-        """Form the group now when every member this leader expects has joined (assembly.py).
+        """Form the group now when every member this leader expects has joined (assembly.py):
+        live, not left out or banned, and not one an earlier try of this round ended early over
+        (exact.py: not named yet, but a retry waiting for a staller is what a stall cost).
         Called where hivemind checks its own `target_group_size`: just after it accepted a
         follower, its request lock held by that call."""
         matchmaking = self._matchmaking
@@ -203,7 +206,7 @@ class GuardedAverager(DecentralizedAverager):
                 self.peer_id,
                 matchmaking.current_followers,
                 self._expected,
-                lambda p: not self._excluded(p) and p not in self._gate.banned,
+                lambda p: not (self._excluded(p) or p in self._gate.banned or p in self._suspects),
             )
         ):
             await matchmaking.leader_assemble_group()
@@ -374,6 +377,7 @@ class GuardedAverager(DecentralizedAverager):
         self._gave_up_on.clear()
         self._round_at = step.scheduled_time
         self._expected = self._read_expected()
+        self._suspects.clear()
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
                 self._gate.signing_key,
@@ -583,9 +587,12 @@ class GuardedAverager(DecentralizedAverager):
             keep_latest(self._audits, AUDITS_KEPT)
         self._running_groups[group_id].set_result(runner)
         index = 0
-        async for average in runner:  # to its end: an audited round is checked after the last
-            tensors[index].copy_(average)  # the same bits on every member (exact.py)
-            index += 1
+        try:
+            async for average in runner:  # to its end: an audited round is checked after the last
+                tensors[index].copy_(average)  # the same bits on every member (exact.py)
+                index += 1
+        finally:
+            self._suspects |= runner.suspects  # a retry's leader does not wait for them
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
