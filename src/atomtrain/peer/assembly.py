@@ -20,15 +20,6 @@ from typing import Any
 
 ID_BYTES = 64
 """Room for one base58 peer ID (46-53 characters) and its separator."""
-SUSPECT_ROUNDS = 4
-"""A member that a try of this peer's round ended early over (exact.py: it sent nothing, or as a
-reducer no averages) is not waited for in the rest of that round and this peer's next this many
-rounds, unless it takes part in a group with this peer meanwhile. bench attack's staller froze
-its averager for 17 s (5-9 rounds) while its training process kept its status fresh, and until
-it was named, at the reducer timeout, every round waited out the matchmaking time for it.
-Bounded, so an honest member frozen once, which then comes last to matchmaking round after
-round, does not miss rounds for long. (Not waited for is not left out: one that joins before the
-group forms is in it.)"""
 
 
 class ExpectedMembers:
@@ -51,27 +42,6 @@ class ExpectedMembers:
 
     def read(self) -> list[str]:
         return [p for p in self._buffer.value.decode("ascii", "replace").split("\n") if p]
-
-
-class Suspects:
-    """The members a leader does not wait for (SUSPECT_ROUNDS), counted in this peer's rounds."""
-
-    def __init__(self) -> None:
-        self._since: dict[Any, int] = {}  # peer -> the round of this peer's it was suspected in
-
-    def __contains__(self, peer_id: Any) -> bool:
-        return peer_id in self._since
-
-    def tried(self, members: Iterable[Any], ended_over: set[Any], round_: int) -> None:
-        """A try of round `round_` with `members` ended, early over `ended_over` (or not)."""
-        for p in members:
-            if p in ended_over:
-                self._since[p] = round_
-            else:
-                self._since.pop(p, None)  # it took part
-
-    def next_round(self, round_: int) -> None:
-        self._since = {p: r for p, r in self._since.items() if round_ - r <= SUSPECT_ROUNDS}
 
 
 def all_expected_joined(

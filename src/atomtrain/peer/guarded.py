@@ -45,7 +45,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.timed_storage import get_dht_time
 
-from atomtrain.peer.assembly import ExpectedMembers, Suspects, all_expected_joined
+from atomtrain.peer.assembly import ExpectedMembers, all_expected_joined
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
@@ -112,7 +112,7 @@ class GuardedAverager(DecentralizedAverager):
         self._provider, self._gate, self._defence = provider, gate, defence
         self._expected_members = expected
         self._expected: list[PeerID] = []  # this round's live others (assembly.py)
-        self._suspects = Suspects()  # whom tries ended early over lately
+        self._suspects: set[PeerID] = set()  # whom this round's tries ended early over
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
         self._start_timeout_s = start_timeout_s
@@ -193,8 +193,8 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _assemble_if_all_joined(self) -> None:
         """Form the group now when every member this leader expects has joined (assembly.py):
-        live, not left out or banned, and not one that a try of this round or of the last few
-        ended early over (assembly.SUSPECT_ROUNDS; exact.py names it only later).
+        live, not left out or banned, and not one an earlier try of this round ended early over
+        (exact.py: not named yet, but a retry waiting for a staller is what a stall cost).
         Called where hivemind checks its own `target_group_size`: just after it accepted a
         follower, its request lock held by that call."""
         matchmaking = self._matchmaking
@@ -377,7 +377,7 @@ class GuardedAverager(DecentralizedAverager):
         self._gave_up_on.clear()
         self._round_at = step.scheduled_time
         self._expected = self._read_expected()
-        self._suspects.next_round(self._left_out.rounds)
+        self._suspects.clear()
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
                 self._gate.signing_key,
@@ -592,8 +592,8 @@ class GuardedAverager(DecentralizedAverager):
                 tensors[index].copy_(average)  # the same bits on every member (exact.py)
                 index += 1
         finally:
-            # not waited for in a retry, nor for some rounds (assembly.SUSPECT_ROUNDS)
-            self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
+            # a retry's leader does not wait for them; those that took part it waits for again
+            self._suspects = (self._suspects - set(group_info.peer_ids)) | runner.suspects
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
