@@ -76,8 +76,8 @@ def live_others(index: int, work: Path, dht: DHT) -> list[str]:
     if not peers:
         return []
     own = dht.peer_id.to_base58()
-    (work / f"id{index}.tmp").write_text(own)
-    (work / f"id{index}.tmp").rename(work / f"id{index}")
+    (work / f".id{index}.tmp").write_text(own)  # (whole before the glob below sees it)
+    (work / f".id{index}.tmp").rename(work / f"id{index}")
     while len(list(work.glob("id[0-9]*"))) < peers:
         time.sleep(0.05)
     ids = [f.read_text() for f in sorted(work.glob("id[0-9]*"))]

@@ -6,20 +6,33 @@ the whole matchmaking time, even when each live member had joined in its first t
 attack's clean swarms (3 peers, `matchmaking_s` 1.5) matchmaking took a median 1.75 s of a 2.9 s
 round, and a round retried after a stall paid it twice. A leader now forms its group as soon as
 every member it expects has joined: the live peers whose statuses the training process last read
-(presence.py), less those this peer leaves out of its rounds or banned (guarded.py). A peer it
-does not know of yet (a joiner whose status it has not read) finds the group formed and takes part
-in the next round; one it expects that does not come is waited for as before, until the
-matchmaking time ends. Where more peers are live than the target, hivemind's rule comes first.
+(presence.py), less those this peer leaves out of its rounds or banned, and in a retry those an
+earlier try of the round ended early over (guarded.py; exact.py names them only later, if at
+all). A group formed early never holds fewer members than the round needs in sync (sync.quorum):
+one that could not be applied is better left to the matchmaking time, for more to join. A peer
+the leader does not know of yet (a joiner whose status it has not read) finds the group formed and
+takes part in the next round; one it expects that does not come is waited for as before, until
+the matchmaking time ends. Where more peers are live than the target, hivemind's rule comes
+first; a round prepared for a slot (H auto) forms its group at its time, as before (its all-reduce
+waits for the slot anyway).
+
+Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
+told the round began) makes the others end that try early over the member; their retry then does
+not wait for it, and the leader is not named. Without this module the retry waited for it.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 ID_BYTES = 64
 """Room for one base58 peer ID (46-53 characters) and its separator."""
+PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,60}")
+"""What a base58 peer ID looks like: anything else a status claims is dropped (in an open swarm a
+status's peer ID is its writer's word; a NUL in it would end the list early)."""
 
 
 class ExpectedMembers:
@@ -28,14 +41,14 @@ class ExpectedMembers:
     """
 
     def __init__(self, most: int) -> None:
-        """`most`: peer IDs it holds; with more live others than that, it holds none (hivemind's
-        `target_group_size` forms the group first: pass that)."""
+        """`most`: hivemind's `target_group_size`. With that many live others or more it holds
+        none: hivemind's own rule forms the group first."""
         self._buffer: Any = mp.get_context("fork").RawArray("c", max(most, 1) * ID_BYTES)
         self._most = most
 
     def write(self, peer_ids: Iterable[str]) -> None:
-        ids = [p for p in peer_ids if p and "\n" not in p]
-        data = "\n".join(ids).encode()
+        ids = [p for p in peer_ids if PEER_ID.fullmatch(p)]
+        data = "\n".join(ids).encode("ascii")
         if len(ids) >= self._most or len(data) >= len(self._buffer):
             data = b""  # too many to wait for every one
         self._buffer.value = data
@@ -45,9 +58,15 @@ class ExpectedMembers:
 
 
 def all_expected_joined(
-    own: Any, joined: Iterable[Any], expected: Iterable[Any], counts: Callable[[Any], bool]
+    own: Any,
+    joined: Iterable[Any],
+    expected: Iterable[Any],
+    counts: Callable[[Any], bool],
+    least: int = 2,
 ) -> bool:
-    """Every expected member that `counts` (not left out, not banned) has joined this leader's
-    group (`joined`: its followers), and there is at least one: a group of two or more."""
+    """Every expected member that `counts` (not left out, not banned, not suspect) has joined
+    this leader's group (`joined`: its followers), there is at least one, and the group holds
+    at least `least` members, this leader included (the round's quorum)."""
+    joined = set(joined)
     waited = {p for p in expected if p != own and counts(p)}
-    return bool(waited) and waited <= set(joined)
+    return bool(waited) and waited <= joined and len(joined | {own}) >= max(least, 2)

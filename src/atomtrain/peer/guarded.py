@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from contextlib import aclosing
 from dataclasses import replace
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
@@ -41,6 +42,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
+from hivemind.proto.averaging_pb2 import BEGIN_ALLREDUCE
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.timed_storage import get_dht_time
@@ -56,7 +58,7 @@ from atomtrain.peer.exclusion import LeftOut
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import round_layout
 from atomtrain.peer.robust import RobustRunner
-from atomtrain.peer.sync import lower_median, membership
+from atomtrain.peer.sync import lower_median, membership, quorum
 from atomtrain.peer.traffic import RECEIVED, SENT, Traffic, counting_state_stubs
 
 BANNED, FORGED, MALFORMED, UNVERIFIED = 1, 2, 3, 4
@@ -184,30 +186,39 @@ class GuardedAverager(DecentralizedAverager):
         ):  # an honest leader never forwards metadata its sender did not seal
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for message in super().rpc_join_group(request, context):
-            if message.code == averaging_pb2.ACCEPTED:  # (hivemind's lock is held: see below)
-                await self._assemble_if_all_joined()
-            if self._attack == "forge_gather" and message.code == averaging_pb2.BEGIN_ALLREDUCE:
-                forge_gathered(message, self.peer_id)  # bench attack only
-            yield message
+        async with aclosing(super().rpc_join_group(request, context)) as messages:
+            async for message in messages:
+                if self._attack == "forge_gather" and message.code == BEGIN_ALLREDUCE:
+                    forge_gathered(message, self.peer_id)  # bench attack only
+                yield message
+                if message.code == averaging_pb2.ACCEPTED:  # (sent: the lock is still held)
+                    await self._assemble_if_all_joined()
 
     async def _assemble_if_all_joined(self) -> None:
         """Form the group now when every member this leader expects has joined (assembly.py):
         live, not left out or banned, and not one an earlier try of this round ended early over
-        (exact.py: not named yet, but a retry waiting for a staller is what a stall cost).
-        Called where hivemind checks its own `target_group_size`: just after it accepted a
-        follower, its request lock held by that call."""
+        (exact.py: not named yet, but a retry waiting for a staller is what a stall cost), in a
+        group that holds the round's quorum. Called just after hivemind's matchmaking accepted a
+        follower and sent it word, before it checks its own `target_group_size`: its request lock
+        is still held by that call, suspended where it sent the word."""
         matchmaking = self._matchmaking
+        step = matchmaking.step_control
         if (
-            not matchmaking.assembled_group.done()
-            and matchmaking.is_looking_for_group
-            and matchmaking.current_leader is None
-            and all_expected_joined(
-                self.peer_id,
-                matchmaking.current_followers,
-                self._expected,
-                lambda p: not (self._excluded(p) or p in self._gate.banned or p in self._suspects),
-            )
+            matchmaking.assembled_group.done()
+            or not matchmaking.is_looking_for_group
+            or matchmaking.current_leader is not None
+            or matchmaking.client_mode
+            or step is None
+            or not (step.allow_retries or step.triggered)  # prepared for a slot, not yet at it
+        ):
+            return
+        keyed = self._defence is not None and self._gate.owner is not None
+        if all_expected_joined(
+            self.peer_id,
+            matchmaking.current_followers,
+            self._expected,
+            lambda p: not (self._excluded(p) or p in self._gate.banned or p in self._suspects),
+            least=quorum(1 + len(self._expected), keyed),
         ):
             await matchmaking.leader_assemble_group()
 
@@ -399,8 +410,8 @@ class GuardedAverager(DecentralizedAverager):
         for peer_id in self._expected_members.read():
             try:
                 expected.append(PeerID.from_base58(peer_id))
-            except Exception:  # not a peer ID: no group is formed early for it
-                return []
+            except Exception:  # not a peer ID (no such peer can join): not waited for
+                continue
         return expected
 
     def _guard_leaders(self) -> None:
@@ -416,6 +427,8 @@ class GuardedAverager(DecentralizedAverager):
 
         async def guarded(leader: PeerID):
             if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
+                return None
+            if matchmaking.assembled_group.done():  # it led a group meanwhile (assembly.py)
                 return None
             self._asking += 1  # from the request until the leader's group, or its end
             self._requests += 1
