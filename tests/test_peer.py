@@ -147,6 +147,22 @@ def test_a_leader_counts_only_the_expected_members_it_does_not_leave_out():
     assert all_expected_joined("me", ["a", "b"], ["a", "b", "left-out"], ok, least=3)
 
 
+def test_a_member_a_round_ended_early_over_is_not_waited_for_until_it_takes_part_or_rounds_pass():
+    from atomtrain.peer.assembly import SUSPECT_ROUNDS, Suspects
+
+    suspects = Suspects()
+    suspects.tried(["a", "b", "staller"], {"staller"}, round_=1)
+    assert "staller" in suspects and "a" not in suspects
+    for r in range(2, 2 + SUSPECT_ROUNDS):
+        suspects.next_round(r)
+        assert "staller" in suspects, r
+    suspects.next_round(2 + SUSPECT_ROUNDS)
+    assert "staller" not in suspects  # an honest member frozen once is waited for again
+    suspects.tried(["a", "staller"], {"staller"}, round_=9)
+    suspects.tried(["a", "staller"], set(), round_=9)  # it took part in the retry
+    assert "staller" not in suspects
+
+
 def test_the_live_members_list_keeps_only_peer_ids_and_reaches_the_averagers_process():
     import multiprocessing as mp
 

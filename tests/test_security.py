@@ -1739,6 +1739,7 @@ def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():
 
     class Matchmaking:
         request_timeout = 0.2
+        assembled_group = SimpleNamespace(done=lambda: False)  # it leads no group of its own
 
         async def _request_join_group(self, leader):
             counted.append(avg._asking)

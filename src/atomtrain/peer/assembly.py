@@ -6,19 +6,20 @@ the whole matchmaking time, even when each live member had joined in its first t
 attack's clean swarms (3 peers, `matchmaking_s` 1.5) matchmaking took a median 1.75 s of a 2.9 s
 round, and a round retried after a stall paid it twice. A leader now forms its group as soon as
 every member it expects has joined: the live peers whose statuses the training process last read
-(presence.py), less those this peer leaves out of its rounds or banned, and in a retry those an
-earlier try of the round ended early over (guarded.py; exact.py names them only later, if at
+(presence.py), less those this peer leaves out of its rounds or banned, and those a try of this
+round or of its last few ended early over (SUSPECT_ROUNDS; exact.py names them only later, if at
 all). A group formed early never holds fewer members than the round needs in sync (sync.quorum):
 one that could not be applied is better left to the matchmaking time, for more to join. A peer
-the leader does not know of yet (a joiner whose status it has not read) finds the group formed and
-takes part in the next round; one it expects that does not come is waited for as before, until
-the matchmaking time ends. Where more peers are live than the target, hivemind's rule comes
-first; a round prepared for a slot (H auto) forms its group at its time, as before (its all-reduce
-waits for the slot anyway).
+the leader does not know of yet (a joiner whose status it has not read) finds the group formed
+and takes part in the next round; one it expects that does not come is waited for as before,
+until the matchmaking time ends. Where more peers are live than the target, hivemind's rule
+comes first; a round prepared for a slot (H auto) forms its group at its time, as before (its
+all-reduce waits for the slot anyway).
 
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
-told the round began) makes the others end that try early over the member; their retry then does
-not wait for it, and the leader is not named. Without this module the retry waited for it.
+told the round began) makes the others end that try early over the member; their retry and their
+next few rounds then do not wait for it where the quorum does not need it, and the leader is not
+named. Without this module they waited for it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ from typing import Any
 
 ID_BYTES = 64
 """Room for one base58 peer ID (46-53 characters) and its separator."""
+SUSPECT_ROUNDS = 4
+"""A member that a try of this peer's round ended early over (exact.py: it had sent nothing, or
+as a reducer no averages) is not waited for in the rest of that round nor in this peer's next
+this many rounds, unless it takes part in a group with this peer meanwhile. bench attack's
+staller froze its averager for 17 s (5-9 rounds) while its training process kept its status
+fresh, and until it was named, at the reducer timeout, each round waited out the matchmaking
+time for it. Bounded, so an honest member that once started a group late, and then comes last to
+matchmaking round after round, is soon waited for again; and the quorum guard keeps a group
+from forming early without it where the round needs it. (Not waited for is not left out: one
+that joins before the group forms is in it.)"""
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,60}")
 """What a base58 peer ID looks like: anything else a status claims is dropped (in an open swarm a
 status's peer ID is its writer's word; a NUL in it would end the list early)."""
@@ -55,6 +66,27 @@ class ExpectedMembers:
 
     def read(self) -> list[str]:
         return [p for p in self._buffer.value.decode("ascii", "replace").split("\n") if p]
+
+
+class Suspects:
+    """The members a leader does not wait for (SUSPECT_ROUNDS), counted in this peer's rounds."""
+
+    def __init__(self) -> None:
+        self._since: dict[Any, int] = {}  # peer -> the round of this peer's it was suspected in
+
+    def __contains__(self, peer_id: Any) -> bool:
+        return peer_id in self._since
+
+    def tried(self, members: Iterable[Any], ended_over: set[Any], round_: int) -> None:
+        """A try of round `round_` with `members` ended, early over `ended_over` (or not)."""
+        for p in members:
+            if p in ended_over:
+                self._since[p] = round_
+            else:
+                self._since.pop(p, None)  # it took part
+
+    def next_round(self, round_: int) -> None:
+        self._since = {p: r for p, r in self._since.items() if round_ - r <= SUSPECT_ROUNDS}
 
 
 def all_expected_joined(

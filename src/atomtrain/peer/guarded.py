@@ -47,7 +47,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.timed_storage import get_dht_time
 
-from atomtrain.peer.assembly import ExpectedMembers, all_expected_joined
+from atomtrain.peer.assembly import ExpectedMembers, Suspects, all_expected_joined
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
@@ -114,7 +114,7 @@ class GuardedAverager(DecentralizedAverager):
         self._provider, self._gate, self._defence = provider, gate, defence
         self._expected_members = expected
         self._expected: list[PeerID] = []  # this round's live others (assembly.py)
-        self._suspects: set[PeerID] = set()  # whom this round's tries ended early over
+        self._suspects = Suspects()  # whom tries ended early over lately (assembly.py)
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
         self._start_timeout_s = start_timeout_s
@@ -196,9 +196,9 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _assemble_if_all_joined(self) -> None:
         """Form the group now when every member this leader expects has joined (assembly.py):
-        live, not left out or banned, and not one an earlier try of this round ended early over
-        (exact.py: not named yet, but a retry waiting for a staller is what a stall cost), in a
-        group that holds the round's quorum. Called just after hivemind's matchmaking accepted a
+        live, not left out or banned, and not one a try of this round or of the last few ended
+        early over (assembly.SUSPECT_ROUNDS; exact.py names it only later), in a group that holds
+        the round's quorum. Called just after hivemind's matchmaking accepted a
         follower and sent it word, before it checks its own `target_group_size`: its request lock
         is still held by that call, suspended where it sent the word."""
         matchmaking = self._matchmaking
@@ -388,7 +388,7 @@ class GuardedAverager(DecentralizedAverager):
         self._gave_up_on.clear()
         self._round_at = step.scheduled_time
         self._expected = self._read_expected()
-        self._suspects.clear()
+        self._suspects.next_round(self._left_out.rounds)
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
                 self._gate.signing_key,
@@ -605,8 +605,8 @@ class GuardedAverager(DecentralizedAverager):
                 tensors[index].copy_(average)  # the same bits on every member (exact.py)
                 index += 1
         finally:
-            # a retry's leader does not wait for them; those that took part it waits for again
-            self._suspects = (self._suspects - set(group_info.peer_ids)) | runner.suspects
+            # not waited for in a retry, nor for some rounds; those that took part are again
+            self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
