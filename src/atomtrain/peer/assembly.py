@@ -6,8 +6,8 @@ the whole matchmaking time, even when each live member had joined in its first t
 attack's clean swarms (3 peers, `matchmaking_s` 1.5) matchmaking took a median 1.75 s of a 2.9 s
 round, and a round retried after a stall paid it twice. A leader now forms its group as soon as
 every member it expects has joined: the live peers whose statuses the training process last read
-(presence.py), less those this peer leaves out of its rounds or banned, and those a try of this
-round or of its last few ended early over (SUSPECT_ROUNDS; exact.py names them only later, if at
+(presence.py), less those this peer leaves out of its rounds or banned, and in a retry those an
+earlier try of the round ended early over (SUSPECT_ROUNDS; exact.py names them only later, if at
 all). A group formed early never holds fewer members than the round needs in sync (sync.quorum):
 one that could not be applied is better left to the matchmaking time, for more to join. A peer
 the leader does not know of yet (a joiner whose status it has not read) finds the group formed
@@ -17,9 +17,9 @@ comes first; a round prepared for a slot (H auto) forms its group at its time, a
 all-reduce waits for the slot anyway).
 
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
-told the round began) makes the others end that try early over the member; their retry and their
-next few rounds then do not wait for it where the quorum does not need it, and the leader is not
-named. Without this module they waited for it.
+told the round began) makes the others end that try early over the member; their retry then does
+not wait for it where the quorum does not need it, and the leader is not named. Without this
+module the retry waited for it.
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ from typing import Any
 
 ID_BYTES = 64
 """Room for one base58 peer ID (46-53 characters) and its separator."""
-SUSPECT_ROUNDS = 4
+SUSPECT_ROUNDS = 0
 """A member that a try of this peer's round ended early over (exact.py: it had sent nothing, or
-as a reducer no averages) is not waited for in the rest of that round nor in this peer's next
-this many rounds, unless it takes part in a group with this peer meanwhile. bench attack's
-staller froze its averager for 17 s (5-9 rounds) while its training process kept its status
-fresh, and until it was named, at the reducer timeout, each round waited out the matchmaking
-time for it. Bounded, so an honest member that once started a group late, and then comes last to
-matchmaking round after round, is soon waited for again; and the quorum guard keeps a group
-from forming early without it where the round needs it. (Not waited for is not left out: one
-that joins before the group forms is in it.)"""
+as a reducer no averages) is not waited for in the rest of that round, nor in this peer's next
+this many rounds, unless it takes part in a try meanwhile. bench attack's staller froze its
+averager for 17 s (5-9 rounds) while its training process kept its status fresh, and until it
+was named, at the reducer timeout, each round waited out the matchmaking time for it. 4 rounds
+(770bdd8, run Z5 in docs/robustness-history.md) measured no better than the round alone (run
+Z4): `lost_attempt_cost` 0.94, 1.17, 1.02 at the median against 0.86, 0.94, 1.07, the honest
+peers' rounds applied 28, 25, 21 against 25, 25, 29; and in a larger swarm an honest member that
+once started a group late, then came last to matchmaking, would have missed those rounds. A
+first version without the quorum guard left such a member out of pairs the quorum refuses."""
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,60}")
 """What a base58 peer ID looks like: anything else a status claims is dropped (in an open swarm a
 status's peer ID is its writer's word; a NUL in it would end the list early)."""

@@ -196,9 +196,9 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _assemble_if_all_joined(self) -> None:
         """Form the group now when every member this leader expects has joined (assembly.py):
-        live, not left out or banned, and not one a try of this round or of the last few ended
-        early over (assembly.SUSPECT_ROUNDS; exact.py names it only later), in a group that holds
-        the round's quorum. Called just after hivemind's matchmaking accepted a
+        live, not left out or banned, and not one an earlier try of the round ended early over
+        (assembly.SUSPECT_ROUNDS; exact.py names it only later), in a group that holds the
+        round's quorum. Called just after hivemind's matchmaking accepted a
         follower and sent it word, before it checks its own `target_group_size`: its request lock
         is still held by that call, suspended where it sent the word."""
         matchmaking = self._matchmaking
@@ -605,7 +605,7 @@ class GuardedAverager(DecentralizedAverager):
                 tensors[index].copy_(average)  # the same bits on every member (exact.py)
                 index += 1
         finally:
-            # not waited for in a retry, nor for some rounds; those that took part are again
+            # not waited for in a retry (SUSPECT_ROUNDS); those that took part are again
             self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
         self.last_updated = get_dht_time()
         self._state_updated.set()
