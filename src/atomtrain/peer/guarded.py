@@ -114,7 +114,7 @@ class GuardedAverager(DecentralizedAverager):
         self._provider, self._gate, self._defence = provider, gate, defence
         self._expected_members = expected
         self._expected: list[PeerID] = []  # this round's live others (assembly.py)
-        self._suspects = Suspects()  # whom tries ended early over lately (assembly.py)
+        self._suspects = Suspects()  # whom this round's tries ended early over (assembly.py)
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
         self._start_timeout_s = start_timeout_s
@@ -198,9 +198,9 @@ class GuardedAverager(DecentralizedAverager):
         """Form the group now when every member this leader expects has joined (assembly.py):
         live, not left out or banned, and not one an earlier try of the round ended early over
         (assembly.SUSPECT_ROUNDS; exact.py names it only later), in a group that holds the
-        round's quorum. Called just after hivemind's matchmaking accepted a
-        follower and sent it word, before it checks its own `target_group_size`: its request lock
-        is still held by that call, suspended where it sent the word."""
+        round's quorum. Called just after hivemind's matchmaking accepted a follower and sent it
+        word, before it checks its own `target_group_size`: its request lock is still held by
+        that call, suspended where it sent the word."""
         matchmaking = self._matchmaking
         step = matchmaking.step_control
         if (
