@@ -8,8 +8,9 @@ where the peer says its synchronized parameters are (sync.py; members agree at 0
 
 With HARNESS_PEERS=N in the environment, each peer writes its peer ID to WORKDIR/id{INDEX}, waits
 for N of them, and tells its averager those others (and those in HARNESS_ALSO_LIVE, comma
-separated) are live, as a peer's presence does (assembly.py); HARNESS_MATCHMAKING_S sets the
-matchmaking time (3 s). The out file also holds the round's wall time (`round_s`).
+separated) are live, as a peer's presence does, and forms even a first try's group early
+(assembly.py, `always`); HARNESS_MATCHMAKING_S sets the matchmaking time (3 s). The out file
+also holds the round's wall time (`round_s`).
 """
 
 import os
@@ -112,6 +113,7 @@ def main() -> None:
         target_group_size=8,
         state_provider=lambda: ({}, []),
         live_others=lambda: others,
+        assemble_early="always" if others else "retries",
     )
     out = averaged_round(avg, vectors(index), weight, f"h{index}", sketch=sketch)
     torch.save(out, work / f"out{index}.pt")

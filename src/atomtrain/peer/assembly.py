@@ -1,20 +1,25 @@
-"""When a leader forms its group: at once when every member it expects has joined.
+"""When a leader forms a retry's group: at once when every member it expects has joined.
 
 hivemind's leader forms its group when `target_group_size` members have joined, or when its
-matchmaking time ends. In a swarm smaller than that target (64 by default) every round waited out
-the whole matchmaking time, even when each live member had joined in its first tenth: in bench
-attack's clean swarms (3 peers, `matchmaking_s` 1.5) matchmaking took a median 1.75 s of a 2.9 s
-round, and a round retried after a stall paid it twice. A leader now forms its group as soon as
-every member it expects has joined: the live peers whose statuses the training process last read
-(presence.py), less those this peer leaves out of its rounds or banned, and in a retry those an
+matchmaking time ends. In a swarm smaller than that target (64 by default) every try waits out the
+whole matchmaking time, and a round retried after a stall paid it twice: in bench attack (3-4
+peers, `matchmaking_s` 1.5) matchmaking took a median 1.75 s of a 2.9 s round. In a retry (the
+round ran a group that failed: a stall ended it early, exact.py), a leader now forms its group as
+soon as every member it expects has joined: the live peers whose statuses the training process
+last read (presence.py), less those this peer leaves out of its rounds or banned, and those an
 earlier try of the round ended early over (SUSPECT_ROUNDS; exact.py names them only later, if at
 all). A group formed early never holds fewer members than the round needs in sync (sync.quorum):
-one that could not be applied is better left to the matchmaking time, for more to join. A peer
-the leader does not know of yet (a joiner whose status it has not read) finds the group formed
-and takes part in the next round; one it expects that does not come is waited for as before,
-until the matchmaking time ends. Where more peers are live than the target, hivemind's rule
-comes first; a round prepared for a slot (H auto) forms its group at its time, as before (its
-all-reduce waits for the slot anyway).
+one that could not be applied is better left to the matchmaking time, for more to join. One it
+expects that does not come is waited for as before, until the matchmaking time ends; a peer it
+does not know of yet (a joiner whose status it has not read) finds the group formed. Where more
+peers are live than the target, hivemind's rule comes first.
+
+A round's first try still waits out its matchmaking time (`always` forms it early too: the
+tests' harness). Forming every group early (228b469 to acb3212) doubled the rounds of bench
+attack's clean swarms (41-43 in 600 steps against 17-19, H fixed at 5 steps) and ended them
+higher: final loss 2.850, 2.908 and 2.957 at the median in three runs, against 2.724-2.894 in
+the eleven before, each seed higher than in run Y (docs/robustness-history.md). A round prepared
+for a slot (H auto) never tries twice and forms its group at its time.
 
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
 told the round began) makes the others end that try early over the member; their retry then does
@@ -31,6 +36,8 @@ from typing import Any
 
 ID_BYTES = 64
 """Room for one base58 peer ID (46-53 characters) and its separator."""
+RETRIES, ALWAYS = "retries", "always"
+"""Which tries a leader forms early: a round's retries (the default), or every try."""
 SUSPECT_ROUNDS = 0
 """A member that a try of this peer's round ended early over (exact.py: it had sent nothing, or
 as a reducer no averages) is not waited for in the rest of that round, nor in this peer's next

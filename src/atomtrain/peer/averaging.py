@@ -50,7 +50,7 @@ from hivemind.compression import (
 from hivemind.utils import MPFuture
 
 from atomtrain.errors import AtomError
-from atomtrain.peer.assembly import ExpectedMembers
+from atomtrain.peer.assembly import RETRIES, ExpectedMembers
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.bounds import (
     DELTA,
@@ -121,11 +121,13 @@ class ProbedAverager:
         attack: str = "",
         start_timeout_s: float = START_FLOOR_S,
         live_others: Callable[[], list[str]] = list,
+        assemble_early: str = RETRIES,
     ) -> None:
         """`attack`: `forge_gather` makes this averager a leader that forges (bench attack);
         `start_timeout_s`: exact.py's floor of each member's start timeout; `live_others`: the
         peer IDs of the live others, read at each round's start (a leader that has them all in
-        its group forms it at once: assembly.py)."""
+        a retry's group forms it at once: assembly.py; `assemble_early` ALWAYS: in every try).
+        """
         self.pieces = pieces
         self.timeout_s = timeout_s
         wire, dtype, _ = codec(compression)
@@ -173,6 +175,7 @@ class ProbedAverager:
             start_timeout_s=start_timeout_s,
             attack=attack,
             expected=self._expected,
+            assemble_early=assemble_early,
             prefix=prefix,
             start=True,
             target_group_size=target_group_size,

@@ -47,7 +47,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.timed_storage import get_dht_time
 
-from atomtrain.peer.assembly import ExpectedMembers, Suspects, all_expected_joined
+from atomtrain.peer.assembly import RETRIES, ExpectedMembers, Suspects, all_expected_joined
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
@@ -109,10 +109,11 @@ class GuardedAverager(DecentralizedAverager):
         start_timeout_s: float = START_FLOOR_S,
         attack: str = "",
         expected: ExpectedMembers | None = None,
+        assemble_early: str = RETRIES,
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
-        self._expected_members = expected
+        self._expected_members, self._assemble_early = expected, assemble_early
         self._expected: list[PeerID] = []  # this round's live others (assembly.py)
         self._suspects = Suspects()  # whom this round's tries ended early over (assembly.py)
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
@@ -195,12 +196,13 @@ class GuardedAverager(DecentralizedAverager):
                     await self._assemble_if_all_joined()
 
     async def _assemble_if_all_joined(self) -> None:
-        """Form the group now when every member this leader expects has joined (assembly.py):
-        live, not left out or banned, and not one an earlier try of the round ended early over
-        (assembly.SUSPECT_ROUNDS; exact.py names it only later), in a group that holds the
-        round's quorum. Called just after hivemind's matchmaking accepted a follower and sent it
-        word, before it checks its own `target_group_size`: its request lock is still held by
-        that call, suspended where it sent the word."""
+        """In a retry (or any try, with `always`), form the group now when every member this
+        leader expects has joined (assembly.py): live, not left out or banned, and not one an
+        earlier try of the round ended early over (assembly.SUSPECT_ROUNDS; exact.py names it
+        only later), in a group that holds the round's quorum. Called just after hivemind's
+        matchmaking accepted a follower and sent it word, before it checks its own
+        `target_group_size`: its request lock is still held by that call, suspended where it
+        sent the word."""
         matchmaking = self._matchmaking
         step = matchmaking.step_control
         if (
@@ -210,6 +212,7 @@ class GuardedAverager(DecentralizedAverager):
             or matchmaking.client_mode
             or step is None
             or not (step.allow_retries or step.triggered)  # prepared for a slot, not yet at it
+            or (self._assemble_early == RETRIES and not self._attempts.value)  # a first try
         ):
             return
         keyed = self._defence is not None and self._gate.owner is not None
