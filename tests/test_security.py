@@ -987,6 +987,40 @@ def handlers_alone() -> GuardedAverager:
     return avg
 
 
+def test_a_leader_forms_a_retrys_group_early_but_not_a_first_trys_nor_one_prepared_for_a_slot():
+    """assembly.py: once every live member it expects has joined, a leader forms its group at
+    once only in a retry (the round ran a group already); a first try waits out its
+    matchmaking time as before, and with `always` (the tests' harness) a round prepared for a
+    slot (H auto) forms its group at its time."""
+    from atomtrain.peer.assembly import ALWAYS, Suspects
+
+    def formed(attempts: int, mode: str = "retries", prepared: bool = False) -> bool:
+        avg = handlers_alone()
+        avg._gate.banned, avg._gate.owner = set(), None
+        avg._assemble_early, avg._attempts = mode, SimpleNamespace(value=attempts)
+        avg._expected, avg._suspects = ["a", "b"], Suspects()
+        avg.dht = SimpleNamespace(peer_id="me")
+        assembled: list[bool] = []
+
+        async def assemble() -> None:
+            assembled.append(True)
+
+        avg._matchmaking = SimpleNamespace(
+            assembled_group=SimpleNamespace(done=lambda: False),
+            is_looking_for_group=True, current_leader=None, client_mode=False,
+            current_followers={"a": None, "b": None},
+            step_control=SimpleNamespace(allow_retries=not prepared, triggered=False),
+            leader_assemble_group=assemble,
+        )  # fmt: skip
+        asyncio.run(avg._assemble_if_all_joined())
+        return bool(assembled)
+
+    assert not formed(attempts=0)  # a first try: the matchmaking time, as before
+    assert formed(attempts=1)  # a retry, every expected member in: at once
+    assert formed(attempts=0, mode=ALWAYS)
+    assert not formed(attempts=0, mode=ALWAYS, prepared=True)  # its slot decides
+
+
 def test_a_stream_of_parts_counts_as_opened_before_its_first_part_comes():
     """What the start timeout reads (exact.py, _contacted): a member's stream of parts is
     stamped as it opens, before its first part arrives (over a slow link that part may take

@@ -104,9 +104,12 @@ def all_expected_joined(
     counts: Callable[[Any], bool],
     least: int = 2,
 ) -> bool:
-    """Every expected member that `counts` (not left out, not banned, not suspect) has joined
-    this leader's group (`joined`: its followers), there is at least one, and the group holds
-    at least `least` members, this leader included (the round's quorum)."""
+    """Some other member is expected (none: hivemind's own rule), every expected one that
+    `counts` (not left out, not banned, not suspect) has joined this leader's group (`joined`:
+    its followers), and the group holds at least `least` members, this leader included (the
+    round's quorum). Where every expected one is a suspect, a quorum of them that came back is
+    enough."""
     joined = set(joined)
-    waited = {p for p in expected if p != own and counts(p)}
-    return bool(waited) and waited <= joined and len(joined | {own}) >= max(least, 2)
+    others = [p for p in expected if p != own]
+    waited = {p for p in others if counts(p)}
+    return bool(others) and waited <= joined and len(joined | {own}) >= max(least, 2)

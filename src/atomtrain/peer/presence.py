@@ -336,7 +336,8 @@ class Presence:
     def live_other_ids(self) -> list[str]:
         """The peer IDs of the live others that could take part in this peer's rounds (as the
         status thread last read them, not past their last round): whom a leader waits for before
-        it forms its group (assembly.py; the averager leaves out whom it excludes or banned)."""
+        it forms a retry's group early (assembly.py; the averager leaves out whom it excludes or
+        banned)."""
         return [s.peer_id for s in self.known_others if not s.done]
 
     def statuses_of_others(self, wait_s: float) -> list[PeerStatus]:
