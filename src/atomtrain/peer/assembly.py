@@ -15,11 +15,12 @@ does not know of yet (a joiner whose status it has not read) finds the group for
 peers are live than the target, hivemind's rule comes first.
 
 A round's first try still waits out its matchmaking time (`always` forms it early too: the
-tests' harness). Forming every group early (228b469 to acb3212) doubled the rounds of bench
-attack's clean swarms (41-43 in 600 steps against 17-19, H fixed at 5 steps) and ended them
-higher: final loss 2.850, 2.908 and 2.957 at the median in three runs, against 2.724-2.894 in
-the eleven before, each seed higher than in run Y (docs/robustness-history.md). A round prepared
-for a slot (H auto) never tries twice and forms its group at its time.
+tests' harness). Forming every group early (228b469 to acb3212) gave bench attack's clean swarms
+36-54 rounds in 600 steps (H fixed at 5 steps) against 15-28 before, and no lower loss: 2.850,
+2.908 and 2.957 at the median in three runs, against 2.724-2.894 in the eleven before (though
+the next run, first tries as before, ended its seed 2 above those too); nor did it make a stall
+cheaper in rounds (docs/robustness-history.md). So the cadence every swarm trained at is kept.
+A round prepared for a slot (H auto) never tries twice and forms its group at its time.
 
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
 told the round began) makes the others end that try early over the member; their retry then does
