@@ -279,10 +279,16 @@ class ExactAverageRunner(CountedRunner):
         log.info("a round ended early (%s); looking for another group if time allows", why)
         unheard = self._unheard_now()
         self._unheard = set(unheard)
-        deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
+        deadline = self._reducer_deadline
         self._verdict = asyncio.create_task(self._name_if_unheard(unheard, deadline))
         self._verdict.add_done_callback(_retrieved)
         self.finalize(exception=AllreduceException(why))
+
+    @property
+    def _reducer_deadline(self) -> float:
+        """When this member's wait for any reducer ends (monotonic): the reducer timeout from its
+        start, what the verdicts on silent members wait for before they name anyone."""
+        return self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
 
     @property
     def suspects(self) -> set[Any]:
@@ -422,7 +428,7 @@ class ExactAverageRunner(CountedRunner):
         that refuses its span at once does; so does a sender that delays its parts to one
         reducer past that reducer's start timeout, within its sender timeout: either costs
         each round it joins its start timeout, not the reducer timeout.)"""
-        deadline = self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
+        deadline = self._reducer_deadline
         try:
             await asyncio.wait((exchange,), timeout=max(deadline - time.monotonic(), 0.01))
             if reducer not in self._delivered:  # (an exchange that failed early: asked later)
