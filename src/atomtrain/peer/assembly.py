@@ -22,6 +22,16 @@ the next run, first tries as before, ended its seed 2 above those too); nor did 
 cheaper in rounds (docs/robustness-history.md). So the cadence every swarm trained at is kept.
 A round prepared for a slot (H auto) never tries twice and forms its group at its time.
 
+A retry also keeps out of the DHT those an earlier try ended early over (`shun_in_dht`). In
+bench attack, once the staller's averager froze, every DHT read or write its peers made waited
+hivemind's `wait_timeout` (3 s) for an answer (its DHT process ran on; plain hivemind with a
+frozen averager shows no such wait, so its unread parts holding the p2p connection up is likely,
+not established), and a retry's matchmaking, whose leaders are declared and found through the
+DHT, began 6 s after the try ended (run ZD's logs, docs/robustness-history.md). hivemind skips a
+node that did not answer only once a request has waited that long; each peer's DHT node now
+skips the suspects from the moment the try ends, for hivemind's blacklist time (5 s, doubled each
+time while they stay silent). Their records are still read from the other nodes that hold them.
+
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
 told the round began) makes the others end that try early over the member; their retry then does
 not wait for it where the quorum does not need it, and the leader is not named. Without this
@@ -30,10 +40,14 @@ module the retry waited for it.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import re
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 ID_BYTES = 64
 """Room for one base58 peer ID (46-53 characters) and its separator."""
@@ -114,3 +128,24 @@ def all_expected_joined(
     others = [p for p in expected if p != own]
     waited = {p for p in others if counts(p)}
     return bool(others) and waited <= joined and len(joined | {own}) >= max(least, 2)
+
+
+def shun_in_dht(dht: Any, peer_ids: Iterable[Any]) -> None:
+    """Have this peer's DHT node skip `peer_ids` (hivemind PeerIDs) in its searches as it skips a
+    node that did not answer: for hivemind's blacklist time, doubled each time while they stay
+    silent. Runs in the DHT's process; this call does not wait for it."""
+    ids = tuple(p.to_base58() for p in peer_ids)
+    if not ids:
+        return
+    try:
+        dht.run_coroutine(partial(_blacklist, ids), return_future=True)
+    except Exception as e:  # a DHT shutting down: nothing to skip
+        log.debug("could not keep %d suspects out of the DHT: %s", len(ids), e)
+
+
+async def _blacklist(peer_ids: tuple[str, ...], dht: Any, node: Any) -> None:
+    """In the DHT's process (DHT.run_coroutine): `node` (a hivemind DHTNode) skips `peer_ids`."""
+    from hivemind.p2p import PeerID
+
+    for peer_id in peer_ids:
+        node.blacklist.register_failure(PeerID.from_base58(peer_id))
