@@ -616,7 +616,7 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             # not waited for in a retry (SUSPECT_ROUNDS); those that took part are again
             self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
-            shun_in_dht(self.dht, runner.suspects)  # their DHT nodes may hang too (assembly.py)
+            shun_in_dht(self.dht, runner.ended_over)  # their DHT nodes may hang too (assembly.py)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
