@@ -228,11 +228,6 @@ def withheld_span_patches() -> None:
     guarded.GuardedAverager.rpc_aggregate_part = rpc_aggregate_part
 
 
-async def dht_bans(dht: DHT, node) -> list[str]:
-    """In the DHT's process: the peers its node keeps out of its searches now."""
-    return [p.to_base58() for p in node.blacklist.ban_counter]
-
-
 def main() -> None:
     index, attack, defend, work = (
         int(sys.argv[1]),
@@ -286,7 +281,6 @@ def main() -> None:
         logging.getLogger("atomtrain.peer.exact").addHandler(handler)
         logging.getLogger("atomtrain.peer.exact").setLevel(logging.INFO)
     gate = MemberGate(KEY, "atk")
-    (work / f"peer{index}.id").write_text(dht.peer_id.to_base58())
     if attack == "banned_by_0":
         if index == 2:
             (work / "id2.tmp").write_text(dht.peer_id.to_base58())
@@ -318,7 +312,7 @@ def main() -> None:
         delta = poison(attack, honest_mean() if attack == "inflate" else delta)
         weight = claimed_tokens(attack, weight)
         rms_claim = 1e3 * float(delta.pow(2).mean().sqrt()) if attack == "inflate" else 0.0
-    rounds, rejected, stalled, banned = [], [], [], set()
+    rounds, rejected, stalled = [], [], []
     # late: named in its first, or never; forge_gather: one round more, so that a first round that
     # finds no group on a loaded machine still leaves the forged round and two after it
     for r in range({"late": 2, "forge_gather": ROUNDS + 1}.get(attack, ROUNDS)):
@@ -363,15 +357,15 @@ def main() -> None:
         (work / f"done{r}_{index}").touch()
         rejected += avg.rejections()
         stalled += getattr(avg, "stalls", list)()
-        banned |= set(dht.run_coroutine(dht_bans))  # (a ban ends once the peer answers again)
     if attack == "withhold" and index < 2:  # named once its exchange's reducer timeout and the
         deadline = time.monotonic() + TIMEOUT_S  # ask after it passed: wait out the last ask
         while not stalled and time.monotonic() < deadline:
             time.sleep(0.1)
             stalled += avg.stalls()
     if index < 2:
-        out = {"rounds": rounds, "rejected": rejected, "stalled": stalled, "dht_banned": banned}
-        torch.save(out, work / f"out{index}.pt")
+        torch.save(
+            {"rounds": rounds, "rejected": rejected, "stalled": stalled}, work / f"out{index}.pt"
+        )
     print(index, [(r["failed"], r.get("group"), r.get("why")) for r in rounds], rejected)
     avg.shutdown()
     dht.shutdown()

@@ -22,22 +22,6 @@ the next run, first tries as before, ended its seed 2 above those too); nor did 
 cheaper in rounds (docs/robustness-history.md). So the cadence every swarm trained at is kept.
 A round prepared for a slot (H auto) never tries twice and forms its group at its time.
 
-A retry also keeps out of the DHT the members whose silence ended an earlier try early
-(`shun_in_dht`, exact.py's `ended_over`). In bench attack, once the staller's averager froze,
-each DHT search its peers made waited hivemind's `wait_timeout` (3 s) for a node that did not
-answer (its DHT process ran on; plain hivemind with one averager frozen shows no such wait, so
-which node it was is not proven), and a retry's matchmaking, whose leaders are declared and found
-through the DHT, began 6 s after the try ended: the declarations written meanwhile, whose search
-for the nodes to hold them waited too, expired before they were read (one seed traced, run ZD in
-docs/robustness-history.md). hivemind skips a node that did not answer only once a search has
-waited that long; each peer's DHT node now skips those members from the moment the try ends, in
-its reads and in the search before each write, for hivemind's blacklist time (5 s, doubled each
-time it bans the same node again before that node answers one of its searches). A write's own
-store to that node is still sent, and the write returns when it answers or times out; the
-others hold the record meanwhile. Their own records are still read from the other nodes that
-hold them. In the traced seed retried rounds took 4.6-6.0 s against 5.9-11.2 before; over three
-seeds (run Z8) the bench showed no gain beyond the spread between runs.
-
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
 told the round began) makes the others end that try early over the member; their retry then does
 not wait for it where the quorum does not need it, and the leader is not named. Without this
@@ -46,14 +30,10 @@ module the retry waited for it.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import re
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 ID_BYTES = 64
 """Room for one base58 peer ID (46-53 characters) and its separator."""
@@ -134,23 +114,3 @@ def all_expected_joined(
     others = [p for p in expected if p != own]
     waited = {p for p in others if counts(p)}
     return bool(others) and waited <= joined and len(joined | {own}) >= max(least, 2)
-
-
-def shun_in_dht(dht: Any, peer_ids: Iterable[Any]) -> None:
-    """Have this peer's DHT node skip `peer_ids` (hivemind PeerIDs) in its searches as it skips a
-    node that did not answer, for hivemind's blacklist time. Runs in the DHT's process; this call
-    does not wait for it, and never raises (it runs as a round ends)."""
-    try:
-        ids = tuple(p.to_base58() for p in peer_ids)
-        if ids:
-            dht.run_coroutine(partial(_blacklist, ids), return_future=True)
-    except Exception as e:  # a DHT shutting down: nothing to skip
-        log.debug("could not keep a try's silent members out of the DHT: %s", e)
-
-
-async def _blacklist(peer_ids: tuple[str, ...], dht: Any, node: Any) -> None:
-    """In the DHT's process (DHT.run_coroutine): `node` (a hivemind DHTNode) skips `peer_ids`."""
-    from hivemind.p2p import PeerID
-
-    for peer_id in peer_ids:
-        node.blacklist.register_failure(PeerID.from_base58(peer_id))

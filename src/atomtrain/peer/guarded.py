@@ -47,13 +47,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.timed_storage import get_dht_time
 
-from atomtrain.peer.assembly import (
-    RETRIES,
-    ExpectedMembers,
-    Suspects,
-    all_expected_joined,
-    shun_in_dht,
-)
+from atomtrain.peer.assembly import RETRIES, ExpectedMembers, Suspects, all_expected_joined
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
@@ -616,7 +610,6 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             # not waited for in a retry (SUSPECT_ROUNDS); those that took part are again
             self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
-            shun_in_dht(self.dht, runner.ended_over)  # their DHT nodes may hang too (assembly.py)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
