@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from hivemind import DHT
 
+from atomtrain.peer.assembly import ALWAYS, RETRIES
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
 from atomtrain.peer.layout import cut_pieces
 
@@ -113,7 +114,7 @@ def main() -> None:
         target_group_size=8,
         state_provider=lambda: ({}, []),
         live_others=lambda: others,
-        assemble_early="always" if others else "retries",
+        assemble_early=ALWAYS if others else RETRIES,
     )
     out = averaged_round(avg, vectors(index), weight, f"h{index}", sketch=sketch)
     torch.save(out, work / f"out{index}.pt")
