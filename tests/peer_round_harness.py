@@ -11,8 +11,17 @@ for N of them, and tells its averager those others (and those in HARNESS_ALSO_LI
 separated) are live, as a peer's presence does, and forms even a first try's group early
 (assembly.py, `always`); HARNESS_MATCHMAKING_S sets the matchmaking time (3 s). The out file
 also holds the round's wall time (`round_s`).
+
+Each round harness peer gives its members START_TIMEOUT_S to open their streams (exact.py's
+`start_timeout_s`, `peer.start_timeout_s` to a user), not the 1 s default: three harness peers
+(each with its DHT, averager and p2pd processes) on a loaded 2-core CI machine once started
+their all-reduces more than a second apart, and the others' ended early over the late one (a
+stall, to them), which then held a partial round. These tests check what a round computes and
+when its group forms; tests/test_security.py checks the start timeouts. atomtrain's INFO log
+goes to stderr, which pytest shows for a test that fails.
 """
 
+import logging
 import os
 import sys
 import time
@@ -27,6 +36,7 @@ from atomtrain.peer.averaging import ProbedAverager, RoundFailed
 from atomtrain.peer.layout import cut_pieces
 
 NUMEL = 5000
+START_TIMEOUT_S = 5.0
 
 
 def vectors(index: int) -> torch.Tensor:
@@ -89,6 +99,8 @@ def live_others(index: int, work: Path, dht: DHT) -> list[str]:
 
 def main() -> None:
     index, weight, work = int(sys.argv[1]), float(sys.argv[2]), Path(sys.argv[3])
+    logging.basicConfig(format=f"h{index} %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("atomtrain").setLevel(logging.INFO)
     compression = sys.argv[4] if len(sys.argv) > 4 else "float16"
     sketch = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     addr_file = work / "addr"
@@ -113,6 +125,7 @@ def main() -> None:
         timeout_s=30.0,
         target_group_size=8,
         state_provider=lambda: ({}, []),
+        start_timeout_s=START_TIMEOUT_S,
         live_others=lambda: others,
         assemble_early=ALWAYS if others else RETRIES,
     )
