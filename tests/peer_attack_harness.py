@@ -23,7 +23,9 @@ leads), tells only the first follower of its group, never runs its all-reduce, a
 `stall` is soon after: the member told waits for the other honest one, which, never told, sent
 nothing either (stall_leader_patches). With `withhold`, peer 2 sends its parts as an honest member
 does, and its averager then answers no stream of parts, nor any later ask, for its span: it sends
-no averages (withheld_span_patches).
+no averages (withheld_span_patches). With `late_joiner`, peer 2 is honest, and every peer knows
+the others are live (as a peer's presence tells it): peer 2 starts each round LATE_S after the
+others, past their matchmaking time.
 """
 
 import asyncio
@@ -50,7 +52,7 @@ from atomtrain.peer.bounds import Defence
 from atomtrain.peer.layout import cut_pieces
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_round_harness import averaged_round
+from peer_round_harness import averaged_round, live_others
 
 NUMEL = 5000
 PEERS = 3
@@ -115,6 +117,9 @@ own start of the all-reduce, which on a loaded machine came 3-6 s after the grou
 cold certificate cache). Frozen for the round's timeout only, the staller woke as that member's
 wait ended and answered it was not in the group (its round over), as an honest member that
 missed its leader's word does, and that member spared it (CI, 2026-12-05)."""
+LATE_S = 3.5
+"""How late `late_joiner` starts each round: past the others' matchmaking time (2 s), and well
+inside their round's timeout (STALL_TIMEOUT_S)."""
 SLOW_START_S = 7.0
 """How late `late` starts its all-reduce: 1.7 s past its sender timeout (16 s / 3), 3.7 s short
 of its reducer timeout (twice that)."""
@@ -289,6 +294,7 @@ def main() -> None:
             while not (work / "id2").exists():
                 time.sleep(0.05)
             gate.ban(PeerID.from_base58((work / "id2").read_text()))
+    others = live_others(index, work, dht, PEERS) if attack == "late_joiner" else []
     avg = ProbedAverager(
         dht,
         "atk_avg",
@@ -300,12 +306,14 @@ def main() -> None:
             "stall": STALL_TIMEOUT_S,
             "stall_leader": STALL_TIMEOUT_S,
             "forge_gather": FORGE_TIMEOUT_S,
+            "late_joiner": STALL_TIMEOUT_S,
         }.get(attack, TIMEOUT_S),
         8,
         lambda: ({}, []),
         gate,
         Defence() if defend else None,
         attack=attack if index == 2 and attack not in ("banned_by_0", "withhold") else "",
+        live_others=lambda: others,
     )
     delta, weight, rms_claim = vectors(index), 1.0, 0.0
     if index == 2:
@@ -324,6 +332,8 @@ def main() -> None:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
+        if attack == "late_joiner" and index == 2:
+            time.sleep(LATE_S)
         if index == 2 and attack == "stall_leader":
             done = partial(honest_done, work, r)
             if stalled_round(avg, delta, STALL_FROZEN_S, done, ANNOUNCED_S):

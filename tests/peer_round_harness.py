@@ -82,9 +82,10 @@ def averaged_round(
     }
 
 
-def live_others(index: int, work: Path, dht: DHT) -> list[str]:
-    """HARNESS_PEERS: this peer's ID written, the others' read once all are there."""
-    peers = int(os.environ.get("HARNESS_PEERS", "0"))
+def live_others(index: int, work: Path, dht: DHT, peers: int | None = None) -> list[str]:
+    """`peers` (else HARNESS_PEERS): this peer's ID written, the others' read once all are
+    there."""
+    peers = int(os.environ.get("HARNESS_PEERS", "0")) if peers is None else peers
     if not peers:
         return []
     own = dht.peer_id.to_base58()

@@ -151,6 +151,21 @@ def test_a_leader_counts_only_the_expected_members_it_does_not_leave_out():
     assert not all_expected_joined("me", ["a"], ["a", "b", "c"], lambda p: False, least=3)
 
 
+def test_a_leader_forms_no_group_smaller_than_the_quorum_those_it_waits_for_can_make_up():
+    from atomtrain.peer.assembly import least_group
+
+    def ok(p: str) -> bool:
+        return p != "left-out"
+
+    assert least_group("me", ["a", "b"], ok, quorum=3) == 3  # a pair could not be applied
+    assert least_group("me", ["a", "b", "c"], ok, quorum=3) == 3
+    # those it waits for cannot make up the quorum: hivemind's 2, a pair fails at once as before
+    assert least_group("me", ["a", "left-out"], ok, quorum=3) == 2
+    assert least_group("me", [], ok, quorum=3) == 2
+    assert least_group("me", ["me", "a"], ok, quorum=3) == 2  # itself counted once
+    assert least_group("me", ["a"], ok, quorum=2) == 2  # an open swarm applies pairs
+
+
 def test_a_member_a_try_ended_early_over_is_not_waited_for_in_the_retry_until_it_takes_part():
     from atomtrain.peer.assembly import SUSPECT_ROUNDS, Suspects
 

@@ -265,6 +265,20 @@ def test_a_poisoned_contribution_never_reaches_the_averaged_parameters(tmp_path:
     )
 
 
+def test_members_wait_past_their_matchmaking_time_for_the_quorum_rather_than_pair(
+    tmp_path: Path,
+):
+    """assembly.least_group: three live members of a keyed swarm, one of them starting each round
+    after the other two's matchmaking time. A pair could not be applied (sync.quorum: three in
+    sync), so the two do not form one when their matchmaking time ends: they look on, within
+    the round's time, and the late one joins them. (hivemind's rule formed the pair.)"""
+    outs = run_round(tmp_path, "late_joiner", defend=True)
+    for i, out in outs.items():
+        got = [(r["failed"], r.get("group"), r.get("why")) for r in out["rounds"]]
+        assert all(not r["failed"] and r["group"] == 3 for r in out["rounds"]), (i, got)
+        assert not out["rejected"] and not out["stalled"], (i, out)
+
+
 def test_a_directed_push_with_inflated_claims_moves_the_average_by_about_a_third(tmp_path: Path):
     """One member of three sends the honest mean pushed 10 honest update sizes in one direction
     (inside the bound beyond which it would be dropped), claims a million times the tokens and a

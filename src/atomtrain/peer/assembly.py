@@ -114,3 +114,15 @@ def all_expected_joined(
     others = [p for p in expected if p != own]
     waited = {p for p in others if counts(p)}
     return bool(others) and waited <= joined and len(joined | {own}) >= max(least, 2)
+
+
+def least_group(
+    own: Any, expected: Iterable[Any], counts: Callable[[Any], bool], quorum: int
+) -> int:
+    """The fewest members a leader's group forms with when its matchmaking time ends: the round's
+    `quorum` where this peer and the expected others that `counts` can make it up (a smaller
+    group could not be applied: its members look on, within the round's time, for the rest),
+    hivemind's 2 where they cannot (a pair then lands where the quorum is 2, or fails at once as
+    before, and the rounds that exclusions are counted in go on)."""
+    others = {p for p in expected if p != own and counts(p)}
+    return quorum if 1 + len(others) >= quorum else 2

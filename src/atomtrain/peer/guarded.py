@@ -47,7 +47,13 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import achain, as_aiter
 from hivemind.utils.timed_storage import get_dht_time
 
-from atomtrain.peer.assembly import RETRIES, ExpectedMembers, Suspects, all_expected_joined
+from atomtrain.peer.assembly import (
+    RETRIES,
+    ExpectedMembers,
+    Suspects,
+    all_expected_joined,
+    least_group,
+)
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
@@ -215,15 +221,25 @@ class GuardedAverager(DecentralizedAverager):
             or (self._assemble_early == RETRIES and not self._attempts.value)  # a first try
         ):
             return
-        keyed = self._defence is not None and self._gate.owner is not None
         if all_expected_joined(
             self.peer_id,
             matchmaking.current_followers,
             self._expected,
-            lambda p: not (self._excluded(p) or p in self._gate.banned or p in self._suspects),
-            least=quorum(1 + len(self._expected), keyed),
+            self._waited_for,
+            least=self._quorum(),
         ):
             await matchmaking.leader_assemble_group()
+
+    def _waited_for(self, peer_id: PeerID) -> bool:
+        """An expected member this leader waits for: not left out, banned, or a suspect."""
+        return not (
+            self._excluded(peer_id) or peer_id in self._gate.banned or peer_id in self._suspects
+        )
+
+    def _quorum(self) -> int:
+        """Members in sync this round needs (sync.quorum), counting the live others."""
+        keyed = self._defence is not None and self._gate.owner is not None
+        return quorum(1 + len(self._expected), keyed)
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -427,6 +443,7 @@ class GuardedAverager(DecentralizedAverager):
         timeout = matchmaking.request_timeout
         assemble = matchmaking.follower_assemble_group
         lead = matchmaking.leader_assemble_group
+        look = matchmaking.look_for_group
 
         async def guarded(leader: PeerID):
             if self._excluded(leader) or not await self._gate.allows(self.dht, leader):
@@ -461,7 +478,15 @@ class GuardedAverager(DecentralizedAverager):
             self._assembled.add(group_info.group_id)
             return group_info
 
+        async def looked(step: Any):
+            # each try: no group the quorum would refuse where the members it waits for make it
+            matchmaking.min_group_size = least_group(
+                self.peer_id, self._expected, self._waited_for, self._quorum()
+            )
+            return await look(step)
+
         matchmaking._request_join_group = guarded
+        matchmaking.look_for_group = looked
         matchmaking.follower_assemble_group = followed
         matchmaking.leader_assemble_group = led
         matchmaking._atom_guarded = True
