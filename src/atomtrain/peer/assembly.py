@@ -1,4 +1,5 @@
-"""When a leader forms a retry's group: at once when every member it expects has joined.
+"""When a leader forms a retry's group: at once when every member it expects has joined; and
+never, at its matchmaking time, one smaller than a quorum those it waits for can make up.
 
 hivemind's leader forms its group when `target_group_size` members have joined, or when its
 matchmaking time ends. In a swarm smaller than that target (64 by default) every try waits out the
@@ -21,6 +22,18 @@ tests' harness). Forming every group early (228b469 to acb3212) gave bench attac
 the next run, first tries as before, ended its seed 2 above those too); nor did it make a stall
 cheaper in rounds (docs/robustness-history.md). So the cadence every swarm trained at is kept.
 A round prepared for a slot (H auto) never tries twice and forms its group at its time.
+
+Nor does a leader form, at the end of its matchmaking time, a group smaller than the round's
+quorum where it and the expected members it waits for can make the quorum up (`least_group`):
+hivemind's leader formed a pair there, which the quorum then refused (sync.quorum: three in sync
+in a keyed swarm of three or more live members). Its members now look on, within the round's
+time, for the rest. In a same-morning comparison on bench attack (3 seeds each, clean and
+stalled swarms), the honest peers' failed rounds fell from 15 to 3 in the clean swarms and from
+18 to 5 in the stalled ones (rounds applied 206 to 212, 170 to 183), while a round that lost an
+attempt cost more: 0.94-1.98 rounds at the median against 0.67-0.80, its retry waiting for the
+third member where it had failed at once as a pair. Where those it waits for cannot make the
+quorum up (the rest left out, or suspects of this round), hivemind's 2 stands: that round fails
+at once as before, and the rounds exclusions are counted in go on.
 
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
 told the round began) makes the others end that try early over the member; their retry then does
