@@ -52,7 +52,7 @@ from atomtrain.peer.bounds import Defence
 from atomtrain.peer.layout import cut_pieces
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peer_round_harness import averaged_round, live_others
+from peer_round_harness import START_TIMEOUT_S, averaged_round, live_others
 
 NUMEL = 5000
 PEERS = 3
@@ -314,6 +314,9 @@ def main() -> None:
         Defence() if defend else None,
         attack=attack if index == 2 and attack not in ("banned_by_0", "withhold") else "",
         live_others=lambda: others,
+        # late_joiner checks when groups form, not stalls: members get the round harness's time
+        # to open their streams (a late opener on a loaded machine would end a try early)
+        **({"start_timeout_s": START_TIMEOUT_S} if attack == "late_joiner" else {}),
     )
     delta, weight, rms_claim = vectors(index), 1.0, 0.0
     if index == 2:

@@ -295,8 +295,11 @@ def test_a_defended_pair_round_is_not_applied_while_a_third_member_could_take_pa
         status("staller"),
     ]
     assert presence.live_members() == 3  # this one, "live" and "finishing"
+    # whom a leader expects, and counts towards the quorum (assembly.py): the same others
+    assert presence.live_other_ids() == ["id-live", "id-finishing"]
     averager.left_out_ids.clear()  # a round with the staller landed again: it counts
     assert presence.live_members() == 4
+    assert presence.live_other_ids() == ["id-live", "id-finishing", "id-staller"]
 
     # the group decides from what its members told it: the largest claim, the same for all
     assert group_live([{"live": 2}, {"live": 3}]) == 3

@@ -27,13 +27,17 @@ Nor does a leader form, at the end of its matchmaking time, a group smaller than
 quorum where it and the expected members it waits for can make the quorum up (`least_group`):
 hivemind's leader formed a pair there, which the quorum then refused (sync.quorum: three in sync
 in a keyed swarm of three or more live members). Its members now look on, within the round's
-time, for the rest. In a same-morning comparison on bench attack (3 seeds each, clean and
-stalled swarms), the honest peers' failed rounds fell from 15 to 3 in the clean swarms and from
-18 to 5 in the stalled ones (rounds applied 206 to 212, 170 to 183), while a round that lost an
-attempt cost more: 0.94-1.98 rounds at the median against 0.67-0.80, its retry waiting for the
-third member where it had failed at once as a pair. Where those it waits for cannot make the
-quorum up (the rest left out, or suspects of this round), hivemind's 2 stands: that round fails
-at once as before, and the rounds exclusions are counted in go on.
+time, for the rest. Expected members are the live ones the runtime counts for the quorum
+(presence.live_other_ids: a member left out or rejected counts for neither, so where the rest
+are left out a pair is applied as before); the members it waits for are those less any it
+excludes, banned, or an earlier try of the round ended early over: where those cannot make the
+quorum up, hivemind's 2 stands and a pair fails at once, as before. A round prepared for a slot
+(H auto) keeps hivemind's rule: not measured there. An earlier version, every round's
+matchmaking closing no group smaller than the quorum (8df815a, in sync.py), was taken out after
+rounds of three took 7-12 s instead of 2-3 s; in bench attack's swarms this one left the
+typical round as it was (2.5-3.2 s). Measured in docs/robustness-history.md (session 41): far
+fewer failed rounds, and a round that lost an attempt costs more, its retry waiting for the
+third member where it had failed at once as a pair.
 
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
 told the round began) makes the others end that try early over the member; their retry then does

@@ -480,9 +480,9 @@ class GuardedAverager(DecentralizedAverager):
 
         async def looked(step: Any):
             # each try: no group the quorum would refuse where the members it waits for make it
-            matchmaking.min_group_size = least_group(
-                self.peer_id, self._expected, self._waited_for, self._quorum()
-            )
+            # up; a round prepared for a slot (H auto) keeps hivemind's rule (not measured)
+            least = least_group(self.peer_id, self._expected, self._waited_for, self._quorum())
+            matchmaking.min_group_size = least if step.allow_retries else 2
             return await look(step)
 
         matchmaking._request_join_group = guarded

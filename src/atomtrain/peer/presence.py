@@ -334,11 +334,13 @@ class Presence:
         return 1 + sum(1 for s in self.known_others if not s.done and s.peer_id not in gone)
 
     def live_other_ids(self) -> list[str]:
-        """The peer IDs of the live others that could take part in this peer's rounds (as the
-        status thread last read them, not past their last round): whom a leader waits for before
-        it forms a retry's group early (assembly.py; the averager leaves out whom it excludes or
-        banned)."""
-        return [s.peer_id for s in self.known_others if not s.done]
+        """The peer IDs of the live others that could take part in this peer's rounds, as
+        `live_members` counts them: whom a leader waits for before it forms a retry's group
+        early, and whom it counts towards the round's quorum (assembly.py; the averager also
+        leaves out whom it excludes or banned)."""
+        av = self.peer.averager
+        gone = (av.rejected_ids | av.left_out_ids) if av is not None else set()
+        return [s.peer_id for s in self.known_others if not s.done and s.peer_id not in gone]
 
     def statuses_of_others(self, wait_s: float) -> list[PeerStatus]:
         assert self.peer.dht is not None

@@ -76,9 +76,10 @@ def quorum(live_members: int, keyed: bool) -> int:
 
 def needed_in_sync(live_members: int, keyed: bool, target_group_size: int) -> int:
     """Members in sync a round needs to be applied (quorum), never more than a group holds.
-    (Tried and taken out: hivemind's matchmaking closing no group smaller than this. A leader
-    past its matchmaking time with one follower then disbanded and both looked on; rounds of
-    three took 7-12 s instead of 2-3 s, and the quick scaling bench 173 s instead of 72.)"""
+    (A leader forms no group smaller than this where it and the members it waits for can make
+    it up: assembly.least_group, in rounds that may retry. A first version, every round's
+    matchmaking closing no group smaller than this, 8df815a, was taken out: rounds of three took
+    7-12 s instead of 2-3 s, and the quick scaling bench 173 s instead of 72.)"""
     return min(quorum(live_members, keyed), target_group_size)
 
 
