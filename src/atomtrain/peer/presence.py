@@ -329,9 +329,7 @@ class Presence:
         likes, its peer ID is what its certificate binds). Finishing peers count: they take
         part in the last round, and a member claiming to finish would go uncounted while it
         took part in pairs."""
-        av = self.peer.averager
-        gone = (av.rejected_ids | av.left_out_ids) if av is not None else set()
-        return 1 + sum(1 for s in self.known_others if not s.done and s.peer_id not in gone)
+        return 1 + len(self.live_other_ids())
 
     def live_other_ids(self) -> list[str]:
         """The peer IDs of the live others that could take part in this peer's rounds, as
