@@ -184,49 +184,6 @@ def test_a_member_a_try_ended_early_over_is_not_waited_for_in_the_retry_until_it
     assert "staller" not in suspects
 
 
-async def _bans(peer_ids: tuple[str, ...], dht, node) -> list[int]:
-    """In the DHT's process: how often `node` kept each of `peer_ids` out of its searches."""
-    from hivemind.p2p import PeerID
-
-    return [node.blacklist.ban_counter[PeerID.from_base58(p)] for p in peer_ids]
-
-
-def test_a_silent_member_whose_dht_node_does_not_answer_is_kept_out_of_this_peers_searches():
-    # (a frozen staller's DHT node stopped answering too: each search that asked it waited 3 s;
-    # the wiring, that a real try's silent member is kept out: test_security's staller test)
-    import asyncio
-    import signal
-    from functools import partial
-
-    import hivemind
-
-    from atomtrain.peer.assembly import shun_in_dht
-
-    a = hivemind.DHT(start=True)
-    b = hivemind.DHT(initial_peers=a.get_visible_maddrs(), start=True)
-    try:
-        ids = (b.peer_id.to_base58(), a.peer_id.to_base58())
-        assert a.run_coroutine(partial(_bans, ids)) == [0, 0]
-        # an honest member that was slow in its round: its DHT node answers, it is not skipped
-        assert asyncio.run(shun_in_dht(a, [b.peer_id], within=5.0)) == []
-        assert asyncio.run(shun_in_dht(a, [])) == []
-        assert asyncio.run(shun_in_dht(a, ["not a peer ID"])) == []  # never raises
-        assert a.run_coroutine(partial(_bans, ids)) == [0, 0]
-        os.kill(b.pid, signal.SIGSTOP)  # as the staller's node: it answers nothing
-        try:
-            started = time.monotonic()
-            assert asyncio.run(shun_in_dht(a, [b.peer_id])) == [ids[0]]
-            assert time.monotonic() - started < 1.5  # the ping's 0.5 s, not the DHT's 3 s
-        finally:
-            os.kill(b.pid, signal.SIGCONT)
-        assert a.run_coroutine(partial(_bans, ids)) == [1, 0]
-        assert b.run_coroutine(partial(_bans, ids)) == [0, 0]  # only a's view
-    finally:
-        b.shutdown()
-        a.shutdown()
-    assert asyncio.run(shun_in_dht(a, [b.peer_id])) == []  # a DHT shut down: no error
-
-
 def test_the_live_members_list_keeps_only_peer_ids_and_reaches_the_averagers_process():
     import multiprocessing as mp
 

@@ -39,21 +39,6 @@ typical round as it was (2.5-3.2 s). Measured in docs/robustness-history.md (ses
 fewer failed rounds, and a round that lost an attempt costs more, its retry waiting for the
 third member where it had failed at once as a pair.
 
-A retry also keeps out of the DHT the members whose silence ended an earlier try early
-(`shun_in_dht`, exact.py's `ended_over`) and whose DHT node does not answer a ping within PING_S.
-In bench attack, once the staller's averager froze, its DHT node (which shares the averager's p2p
-daemon) answered nothing either, and each DHT search its peers made waited hivemind's
-`wait_timeout` (3 s) for it (run ZE in docs/robustness-history.md); a retry's matchmaking, whose
-leaders are declared and found through the DHT, began 6 s after the try ended (run ZD).
-hivemind skips a node that did not answer only once a search has waited that long; each peer's
-DHT node now skips such a member from the moment the ping fails, before the retry begins, for
-hivemind's blacklist time (5 s, doubled each time it bans the same node again before that node
-answers one of its searches). Keeping out every such member unpinged (5684692 to bb956e7) also
-kept out honest members that were only slow, and same-day comparisons measured it worse twice
-(session 40, and session 42 with `least_group`): a member whose DHT node answers is not kept
-out. A write's own store to a node kept out is still sent (hivemind's `store_many` picks its
-candidates from the routing table). Measured in docs/robustness-history.md (session 42).
-
 Known limit: a hostile leader that keeps an honest member from its group's word (accepted, never
 told the round began) makes the others end that try early over the member; their retry then does
 not wait for it where the quorum does not need it, and the leader is not named. Without this
@@ -62,15 +47,10 @@ module the retry waited for it.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import multiprocessing as mp
 import re
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 ID_BYTES = 64
 """Room for one base58 peer ID (46-53 characters) and its separator."""
@@ -87,10 +67,6 @@ Z4): `lost_attempt_cost` 0.94, 1.17, 1.02 at the median against 0.86, 0.94, 1.07
 peers' rounds applied 28, 25, 21 against 25, 25, 29; and in a larger swarm an honest member that
 once started a group late, then came last to matchmaking, would have missed those rounds. A
 first version without the quorum guard left such a member out of pairs the quorum refuses."""
-PING_S = 0.5
-"""How long a try's silent member's DHT node has to answer a ping before this peer's DHT node
-skips it (`shun_in_dht`). A frozen staller's node answered nothing for its whole freeze; an
-honest node on bench attack's loaded 2 cores answered every DHT request within 0.5 s (run ZE)."""
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,60}")
 """What a base58 peer ID looks like: anything else a status claims is dropped (in an open swarm a
 status's peer ID is its writer's word; a NUL in it would end the list early)."""
@@ -167,47 +143,3 @@ def least_group(
     before, and the rounds that exclusions are counted in go on)."""
     others = {p for p in expected if p != own and counts(p)}
     return quorum if 1 + len(others) >= quorum else 2
-
-
-async def shun_in_dht(dht: Any, peer_ids: Iterable[Any], within: float = PING_S) -> list[str]:
-    """Have this peer's DHT node skip those of `peer_ids` (hivemind PeerIDs) whose DHT node does
-    not answer a ping within `within` seconds, in its searches, as it skips a node that did not
-    answer one, for hivemind's blacklist time. Runs in the DHT's process; returns the base58 IDs
-    it skipped once every ping answered or timed out, and never raises (it runs as a try ends)."""
-    try:
-        ids = tuple(p.to_base58() for p in peer_ids)
-        if not ids:
-            return []
-        future = dht.run_coroutine(partial(_shun_unanswering, ids, within), return_future=True)
-        shunned = list(await asyncio.wait_for(future, within + 1.0))
-    except Exception as e:  # a DHT shutting down, or too slow to say: nothing skipped
-        log.debug("could not keep a try's silent members out of the DHT: %s", e)
-        return []
-    if shunned:
-        names = ", ".join(p[-8:] for p in shunned)
-        log.info(
-            "%s answered no DHT ping in %.1f s: skipped in DHT searches for a while", names, within
-        )
-    return shunned
-
-
-async def _shun_unanswering(
-    peer_ids: tuple[str, ...], within: float, dht: Any, node: Any
-) -> list[str]:
-    """In the DHT's process (DHT.run_coroutine): `node` (a hivemind DHTNode) pings `peer_ids`
-    at once and skips those that do not answer within `within` s."""
-    from hivemind.p2p import PeerID
-
-    peers = [PeerID.from_base58(p) for p in peer_ids]
-
-    async def answers(peer: Any) -> bool:
-        try:
-            return await asyncio.wait_for(node.protocol.call_ping(peer), within) is not None
-        except asyncio.TimeoutError:
-            return False
-
-    answered = await asyncio.gather(*(answers(p) for p in peers))
-    shunned = [p for p, ok in zip(peers, answered, strict=True) if not ok]
-    for peer in shunned:
-        node.blacklist.register_failure(peer)
-    return [p.to_base58() for p in shunned]

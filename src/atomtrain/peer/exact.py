@@ -140,7 +140,6 @@ class ExactAverageRunner(CountedRunner):
         self._not_in_group: set[Any] = set()  # members that answered they are not in it
         self._started = time.monotonic()
         self._unheard: set[Any] = set()  # members that had sent nothing as it ended early
-        self._ended_over: set[Any] = set()  # those whose silence ended it early (end_early)
         # members whose parts reached this member's averager for this group, whenever they came
         # (before this member started it, or after it ended: guarded.py records them)
         self._heard_late: set[Any] = set() if heard is None else heard
@@ -234,7 +233,7 @@ class ExactAverageRunner(CountedRunner):
                 if not self._contacted(p) and self._start_timeout.get(p, math.inf) <= timeout
             ]
             if silent:
-                self.end_early(f"{_names(silent)} opened no stream in {timeout:.1f} s", silent)
+                self.end_early(f"{_names(silent)} opened no stream in {timeout:.1f} s")
                 return
         if await self._unstarted_by(sender_timeout):
             for peer_id in self.sender_peer_ids:  # hivemind's: their parts are left out
@@ -242,7 +241,7 @@ class ExactAverageRunner(CountedRunner):
                     await self._ban_sender(peer_id)
         reducing = self._reducing(self._silent())
         if reducing:
-            self.end_early(f"{_names(reducing)} sent nothing within the sender timeout", reducing)
+            self.end_early(f"{_names(reducing)} sent nothing within the sender timeout")
 
     async def _unstarted_by(self, seconds: float) -> bool:
         """Whether some sender has not started by `seconds` after this runner's start."""
@@ -265,7 +264,7 @@ class ExactAverageRunner(CountedRunner):
         """`peer_id` opened a stream of parts to this member since its previous group ended."""
         return self._opened.get(peer_id, -math.inf) > self._since
 
-    def end_early(self, why: str, over: list[Any]) -> None:
+    def end_early(self, why: str) -> None:
         """End a round that is lost (a span will have no average) now, not at the reducer
         timeout: a stall held every member of its group there, and the members outside it as
         long, short of the quorum (bench attack's staller cost its honest peers 14 s a stall);
@@ -278,7 +277,6 @@ class ExactAverageRunner(CountedRunner):
         if self._future.done():
             return
         log.info("a round ended early (%s); looking for another group if time allows", why)
-        self._ended_over = set(over)
         unheard = self._unheard_now()
         self._unheard = set(unheard)
         deadline = self._reducer_deadline
@@ -298,13 +296,6 @@ class ExactAverageRunner(CountedRunner):
         averages): not named yet (that waits for the reducer timeout), but a leader does not wait
         for them in the round's next try (assembly.py)."""
         return self._unheard | set(self._late)
-
-    @property
-    def ended_over(self) -> set[Any]:
-        """The members whose silence ended this round early (`end_early`'s `over`; none where it
-        did not end early): fewer than `suspects`, which holds every member not heard from by
-        then. Kept out of this peer's DHT searches for a while (assembly.shun_in_dht)."""
-        return self._ended_over
 
     def heard(self, peer_id: Any) -> None:
         """`peer_id` sent this member its parts of the round (perhaps after it ended)."""
@@ -383,7 +374,7 @@ class ExactAverageRunner(CountedRunner):
                 )
                 self._late[peer_id].add_done_callback(_retrieved)
                 why = f"{_names([peer_id])} sent no averages {waited:.1f} s after the others'"
-                self.end_early(why, [peer_id])
+                self.end_early(why)
                 raise AllreduceException(why)
             return await exchange
         finally:

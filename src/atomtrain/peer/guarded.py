@@ -53,7 +53,6 @@ from atomtrain.peer.assembly import (
     Suspects,
     all_expected_joined,
     least_group,
-    shun_in_dht,
 )
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
@@ -636,8 +635,6 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             # not waited for in a retry (SUSPECT_ROUNDS); those that took part are again
             self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
-            # their DHT nodes may hang too: those that do not answer are skipped (assembly.py)
-            await shun_in_dht(self.dht, runner.ended_over)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
