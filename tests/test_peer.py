@@ -166,50 +166,6 @@ def test_a_leader_forms_no_group_smaller_than_the_quorum_those_it_waits_for_can_
     assert least_group("me", ["a"], ok, quorum=2) == 2  # an open swarm applies pairs
 
 
-def test_a_declaration_held_by_a_node_that_does_not_answer_does_not_hold_matchmaking():
-    # hivemind's matchmaking awaits each declaration's store, which waits for every node chosen
-    # to hold it: a frozen member's node held it 3 s (its wait_timeout), on every peer
-    import asyncio
-
-    from atomtrain.peer.assembly import bounded_declare
-
-    stored: list[tuple] = []
-
-    async def declare(key, peer, expiration, looking=True, *, delay=0.0, answer=True):
-        await asyncio.sleep(delay)
-        stored.append((key, peer, expiration, looking))
-        return answer
-
-    async def scenario() -> None:
-        fast = bounded_declare(declare, wait_s=1.0)
-        assert await fast("k", "me", 5.0, answer=False) is False  # a quick answer, as it is
-        assert await fast("k", "me", 5.0, False) is True and stored[-1][-1] is False
-        slow = bounded_declare(declare, wait_s=0.05)
-        started = asyncio.get_running_loop().time()
-        assert await slow("k", "me", 6.0, delay=0.5) is True  # taken as made, not waited for
-        assert asyncio.get_running_loop().time() - started < 0.5
-        assert stored[-1][2] == 5.0  # (the slow store has not landed yet)
-        await asyncio.sleep(0.6)
-        assert stored[-1][2] == 6.0  # it went on, and landed
-        task = asyncio.ensure_future(slow("k", "me", 7.0, delay=0.3))
-        await asyncio.sleep(0.01)
-        task.cancel()  # its search ended: the store still lands
-        await asyncio.sleep(0.5)
-        assert task.cancelled() and stored[-1][2] == 7.0
-
-        async def refused(*args, **kwargs):
-            raise RuntimeError("no node took it")
-
-        try:
-            await bounded_declare(refused)("k", "me", 8.0)
-        except RuntimeError:
-            pass
-        else:
-            raise AssertionError("a store that fails at once is not hidden")
-
-    asyncio.run(scenario())
-
-
 def test_a_member_a_try_ended_early_over_is_not_waited_for_in_the_retry_until_it_takes_part():
     from atomtrain.peer.assembly import SUSPECT_ROUNDS, Suspects
 

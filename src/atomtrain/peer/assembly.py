@@ -47,10 +47,9 @@ module the retry waited for it.
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 ID_BYTES = 64
@@ -68,12 +67,6 @@ Z4): `lost_attempt_cost` 0.94, 1.17, 1.02 at the median against 0.86, 0.94, 1.07
 peers' rounds applied 28, 25, 21 against 25, 25, 29; and in a larger swarm an honest member that
 once started a group late, then came last to matchmaking, would have missed those rounds. A
 first version without the quorum guard left such a member out of pairs the quorum refuses."""
-DECLARE_WAIT_S = 0.5
-"""How long matchmaking waits for a declaration's store (`bounded_declare`) before it goes on,
-the store going on meanwhile: hivemind waits for every node chosen to hold it, and a node that does
-not answer (a frozen staller's, which shares the frozen averager's p2p daemon) held each store
-hivemind's `wait_timeout`, 3 s, on every peer for the whole freeze. Honest nodes' stores took
-0.1-0.8 s on bench attack's loaded 2 cores (run ZT, docs/robustness-history.md)."""
 PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,60}")
 """What a base58 peer ID looks like: anything else a status claims is dropped (in an open swarm a
 status's peer ID is its writer's word; a NUL in it would end the list early)."""
@@ -150,37 +143,3 @@ def least_group(
     before, and the rounds that exclusions are counted in go on)."""
     others = {p for p in expected if p != own and counts(p)}
     return quorum if 1 + len(others) >= quorum else 2
-
-
-def bounded_declare(
-    declare: Callable[..., Awaitable[bool]], wait_s: float = DECLARE_WAIT_S
-) -> Callable[..., Awaitable[bool]]:
-    """hivemind's `GroupKeyManager.declare_averager`, waiting at most `wait_s` for the store.
-
-    A leader's matchmaking awaits each declaration before it sleeps to its next one, and, once
-    its group is found, awaits the one that says it no longer looks (hivemind's `begin_search`)
-    before its all-reduce starts. A store held 3 s by a node that does not answer kept a peer's
-    declaration from being renewed as it expired, and its group's all-reduce from starting in
-    time (its members end a try at a member's start timeout, 1 s). The store goes on in the
-    background, and its record reaches the nodes that answer as before; a store that outlives
-    the wait is taken as made (hivemind's own loop ignores the answer)."""
-
-    async def declared(*args: Any, **kwargs: Any) -> bool:
-        store = asyncio.ensure_future(declare(*args, **kwargs))
-        try:
-            done, _ = await asyncio.wait({store}, timeout=wait_s)
-        except asyncio.CancelledError:  # its search ended: the store goes on all the same
-            store.add_done_callback(_ignored)
-            raise
-        if store in done:
-            return store.result()
-        store.add_done_callback(_ignored)
-        return True
-
-    return declared
-
-
-def _ignored(store: asyncio.Future) -> None:
-    """A store nobody waits for any more: its outcome retrieved, so asyncio logs no error."""
-    if not store.cancelled():
-        store.exception()

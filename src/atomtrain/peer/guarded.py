@@ -52,7 +52,6 @@ from atomtrain.peer.assembly import (
     ExpectedMembers,
     Suspects,
     all_expected_joined,
-    bounded_declare,
     least_group,
 )
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
@@ -486,8 +485,6 @@ class GuardedAverager(DecentralizedAverager):
             matchmaking.min_group_size = least if step.allow_retries else 2
             return await look(step)
 
-        keys = matchmaking.group_key_manager  # a node that does not answer holds no declaration
-        keys.declare_averager = bounded_declare(keys.declare_averager)
         matchmaking._request_join_group = guarded
         matchmaking.look_for_group = looked
         matchmaking.follower_assemble_group = followed
