@@ -261,57 +261,6 @@ def test_an_expired_check_is_renewed_off_the_path_and_a_revocation_still_lands(
         host.shutdown()
 
 
-def test_a_rounds_expected_members_are_checked_before_their_group_needs_it(tmp_path: Path):
-    """A member first seen, or unchecked past the grace, was checked on the round's path: a
-    roster read held an honest member's all-reduce 0.6-1.7 s, past the 1 s its group waits for
-    it to start (run ZS). Warmed at the round's start, the check a group needs is there."""
-    key = SwarmKey(secrets.token_bytes(32))
-    owner = Membership.of_owner(key, "owner", RSAPrivateKey())
-    alice, alice_id = admit(key, tmp_path, "alice")
-    host = start_dht(owner, [])
-    others = [start_dht(alice, [str(a) for a in host.get_visible_maddrs()], alice_id)]
-    try:
-        declare_member(others[0], SWARM, alice, others[0].peer_id, wait=True)
-        peer = others[0].peer_id
-        counted, gate = CountedDHT(host), MemberGate(owner, SWARM)
-
-        async def scenario() -> None:
-            gate.warm(counted, [peer])
-            gate.warm(counted, [peer])  # one read in flight, not two
-            await gate._renewing[peer]
-            assert counted.gets == 2 and gate._verified[peer][0] > time.monotonic()
-            # the group's check finds it: no read on the path, even from a hung DHT
-            assert await asyncio.wait_for(gate.allows(FrozenDHT(host), peer), 0.5)
-            assert await asyncio.wait_for(gate.public_key(FrozenDHT(host), peer), 0.5)
-            gate.warm(counted, [peer])  # trusted: nothing read
-            gate._verified[peer] = (time.monotonic() - auth.PROOF_GRACE_S - 1.0, "alice", "key")
-            gate.warm(counted, [])  # known, and left out of the round: checked all the same
-            await gate._renewing[peer]
-            assert counted.gets == 4 and gate._verified[peer][0] > time.monotonic()
-            gate._verified[peer] = (time.monotonic() - 1.0, *gate._verified[peer][1:])
-            gate.warm(counted, [peer])  # within the grace: renewed when next asked, as before
-            await asyncio.sleep(0.05)
-            assert counted.gets == 4
-            gate.ban(peer)
-            gate._verified.clear()
-            gate.warm(counted, [peer])  # banned: not checked
-            await asyncio.sleep(0.05)
-            assert counted.gets == 4
-            MemberGate(None, SWARM).warm(counted, [peer])  # an open swarm checks no one
-            assert counted.gets == 4
-            hung = MemberGate(owner, SWARM)
-            hung.warm(FrozenDHT(host), [peer])  # never waits, even for a DHT that hangs
-            await asyncio.sleep(0.1)
-            assert not hung._renewing[peer].done()
-            hung._renewing[peer].cancel()
-
-        asyncio.run(scenario())
-    finally:
-        for dht in others:
-            dht.shutdown()
-        host.shutdown()
-
-
 def status(name: str, peer_id: str, round_: int) -> PeerStatus:
     return PeerStatus(name, round_, 10 * round_, 2.0, 100.0, 0.0, peer_id=peer_id, updated=1.0)
 

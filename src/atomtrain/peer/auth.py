@@ -449,30 +449,6 @@ class MemberGate:
             member, key = cert.member, cert.public_key
         return member, key
 
-    def warm(self, dht: Any, peer_ids: list[PeerID]) -> None:
-        """Check `peer_ids` (a round's expected members) and every member checked before (one
-        left out of rounds for a while comes back into groups unchecked since) in the
-        background where no check of theirs is trusted, even within PROOF_GRACE_S, so that a
-        group holding them finds them checked. Checked on the path instead (`_certified`, as a
-        member unseals its group's metadata before its all-reduce starts), a roster read held an
-        honest member's all-reduce 0.6-3.1 s in bench attack, past the 1 s its group waits for a
-        member to start (runs ZS and ZW, docs/robustness-history.md)."""
-        if self.owner is None:
-            return
-        now = time.monotonic()
-        known = [p for p, (_, _, key) in self._verified.items() if key]  # (not those refused)
-        for peer_id in dict.fromkeys([*peer_ids, *known]):
-            until = self._verified.get(peer_id, (-math.inf,))[0]
-            task = self._renewing.get(peer_id)
-            if now < until + PROOF_GRACE_S or peer_id in self.banned:
-                continue  # trusted, or renewed in the background when next asked
-            if task is not None and not task.done():
-                continue
-            self._renewing[peer_id] = task = asyncio.ensure_future(self._certified(dht, peer_id))
-            task.add_done_callback(_retrieved)
-        if len(self._renewing) >= SEEN_KEPT:
-            self._renewing = {p: t for p, t in self._renewing.items() if not t.done()}
-
     def _note(self, peer_id: PeerID, cert: Certificate | None, asked: float) -> None:
         """Record a check of `peer_id` against a roster read at `asked` or later: trusted for
         PROOF_TTL_S from then where `cert` names it; else refused until checked anew, its member
@@ -541,10 +517,3 @@ class MemberGate:
         if self._roster is None or self._roster[0] < began:
             self._roster = (began, roster)
         return roster
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    """A background check ended: its error (a DHT shutting down) retrieved, so asyncio logs none;
-    the check on the path reads again."""
-    if not task.cancelled():
-        task.exception()

@@ -407,7 +407,6 @@ class GuardedAverager(DecentralizedAverager):
         self._gave_up_on.clear()
         self._round_at = step.scheduled_time
         self._expected = self._read_expected()
-        self._gate.warm(self.dht, self._expected)  # checked before their group needs it
         self._suspects.next_round(self._left_out.rounds)
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
