@@ -2,9 +2,10 @@
 
     python peer_attack_harness.py INDEX ATTACK DEFEND WORKDIR
 
-Three peers share a swarm key; peer 2 poisons its update with ATTACK. All start each of three
-rounds together (file barriers; peer 2 stops looking for a group once both honest peers' round
-has ended) and save what each round gave them to WORKDIR/out{INDEX}.pt. With
+Three peers share a swarm key; peer 2 poisons its update with ATTACK (with ATTACK_HONEST=N in
+the environment, N honest peers and peer N attacking: "peer 2" below is that one). All start
+each of three rounds together (file barriers; peer 2 stops looking for a group once the honest
+peers' round has ended) and save what each round gave them to WORKDIR/out{INDEX}.pt. With
 `inflate`, peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and
 claims a million times the others' tokens and a thousand times their update size. With `stall`,
 peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
@@ -55,7 +56,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from peer_round_harness import START_TIMEOUT_S, averaged_round, live_others
 
 NUMEL = 5000
-PEERS = 3
+HONEST = int(os.environ.get("ATTACK_HONEST", "2"))
+ATTACKER = HONEST
+"""The attacker's index (the honest peers' come before it)."""
+PEERS = HONEST + 1
 ROUNDS = 3
 """The first with the attacker; by the last every honest peer has caught it and they average
 together (one that missed it in the first round catches it in the second)."""
@@ -71,8 +75,8 @@ def vectors(index: int) -> torch.Tensor:
     return base * (2 * signs - 1)
 
 
-def honest_mean() -> torch.Tensor:
-    return (vectors(0) + vectors(1)) / 2
+def honest_mean(honest: int = HONEST) -> torch.Tensor:
+    return sum((vectors(i) for i in range(honest)), torch.zeros(NUMEL)) / honest
 
 
 BARRIER_S = 120.0
@@ -89,8 +93,8 @@ def barrier(work: Path, name: str, index: int) -> None:
 
 
 def honest_done(work: Path, r: int) -> bool:
-    """Both honest peers have ended round `r`."""
-    return all((work / f"done{r}_{i}").exists() for i in range(2))
+    """Every honest peer has ended round `r`."""
+    return all((work / f"done{r}_{i}").exists() for i in range(HONEST))
 
 
 TIMEOUT_S = 8.0
@@ -254,7 +258,7 @@ def main() -> None:
         # peer 2's DHT process (whatever peer 2 plays) often fails to read a last request from
         # its averager, gone by then, and misses the word to shut down: it was terminated after
         # hivemind's 3 s grace while the test waited; now after half a second
-        shutdown_timeout=0.5 if index == 2 else 3.0,
+        shutdown_timeout=0.5 if index == ATTACKER else 3.0,
     )
     if index == 0:  # written whole before it appears: a peer that read it half-written failed
         # to bootstrap (a CI run, 2026-12-04: "failed to connect to bootstrap peers")
@@ -264,7 +268,7 @@ def main() -> None:
     print(f"peer {index} is {dht.peer_id.to_base58()}", flush=True)  # to read its log by
     if attack == "lying_reducer_far":  # the averager's process is forked from this one
         guarded.lie_sizes, attack = (lambda factor: 20.0), "lying_reducer"
-    if attack == "forging_reducer" and index == 2:  # forwards its own part as everyone's
+    if attack == "forging_reducer" and index == ATTACKER:  # forwards its own part as everyone's
         combined = audit.AuditedRunner._combined
 
         def forged(self, part_index, senders):
@@ -274,20 +278,21 @@ def main() -> None:
             combined(self, part_index, senders)
 
         audit.AuditedRunner._combined = forged
-    if attack == "stall_leader" and index == 2:
+    if attack == "stall_leader" and index == ATTACKER:
         stall_leader_patches()
-    if attack == "stall" and index == 2:
+    if attack == "stall" and index == ATTACKER:
         silent_member_patches()
-    if attack == "withhold" and index == 2:
+    if attack == "withhold" and index == ATTACKER:
         withheld_span_patches()
-    if attack == "withhold":  # how each round ended early, into this peer's log
-        handler = logging.StreamHandler(sys.stdout)
+    if attack in ("withhold", "stall"):  # how each round ended early, and was tried again,
+        handler = logging.StreamHandler(sys.stdout)  # into this peer's log
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-        logging.getLogger("atomtrain.peer.exact").addHandler(handler)
-        logging.getLogger("atomtrain.peer.exact").setLevel(logging.INFO)
+        for name in ("atomtrain.peer.exact", "atomtrain.peer.guarded"):
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).setLevel(logging.INFO)
     gate = MemberGate(KEY, "atk")
     if attack == "banned_by_0":
-        if index == 2:
+        if index == ATTACKER:
             (work / "id2.tmp").write_text(dht.peer_id.to_base58())
             (work / "id2.tmp").rename(work / "id2")
         if index == 0:  # before its averager's process starts (forked with the gate)
@@ -312,14 +317,20 @@ def main() -> None:
         lambda: ({}, []),
         gate,
         Defence() if defend else None,
-        attack=attack if index == 2 and attack not in ("banned_by_0", "withhold") else "",
+        attack=attack if index == ATTACKER and attack not in ("banned_by_0", "withhold") else "",
         live_others=lambda: others,
         # late_joiner checks when groups form, not stalls: members get the round harness's time
-        # to open their streams (a late opener on a loaded machine would end a try early)
-        **({"start_timeout_s": START_TIMEOUT_S} if attack == "late_joiner" else {}),
+        # to open their streams (a late opener on a loaded machine would end a try early); so
+        # do the honest peers of a stall with three of them, which tell a redo (redo.py) from
+        # a retry: four peers' processes on 2 loaded cores end the lost try seconds apart
+        **(
+            {"start_timeout_s": START_TIMEOUT_S}
+            if attack == "late_joiner" or (attack == "stall" and HONEST > 2)
+            else {}
+        ),
     )
     delta, weight, rms_claim = vectors(index), 1.0, 0.0
-    if index == 2:
+    if index == ATTACKER:
         delta = poison(attack, honest_mean() if attack == "inflate" else delta)
         weight = claimed_tokens(attack, weight)
         rms_claim = 1e3 * float(delta.pow(2).mean().sqrt()) if attack == "inflate" else 0.0
@@ -331,18 +342,18 @@ def main() -> None:
         # does each process here, before each round (a round after 30 s found no certificate)
         declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
         barrier(work, f"round{r}_", index)
-        if attack in ("forge_gather", "stall_leader") and index < 2:
+        if attack in ("forge_gather", "stall_leader") and index < ATTACKER:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
         if attack == "banned_by_0" and index != 1:
             time.sleep(1.0)  # peer 1's round is scheduled first: the others ask it to lead
-        if attack == "late_joiner" and index == 2:
+        if attack == "late_joiner" and index == ATTACKER:
             time.sleep(LATE_S)
-        if index == 2 and attack == "stall_leader":
+        if index == ATTACKER and attack == "stall_leader":
             done = partial(honest_done, work, r)
             if stalled_round(avg, delta, STALL_FROZEN_S, done, ANNOUNCED_S):
                 (work / f"froze{r}").touch()
             continue
-        if index == 2 and attack in ("stall", "late"):
+        if index == ATTACKER and attack in ("stall", "late"):
             if attack == "stall":
                 # an honest peer's round is scheduled first, so it leads: a staller that leads
                 # and freezes while announcing its group tells one honest member and not the
@@ -355,7 +366,7 @@ def main() -> None:
             continue
         # peer 2, refused by peers that banned or left it out, would go on asking until its
         # round's timeout while the next barrier waited: it gives up once the honest peers' ended
-        give_up = partial(honest_done, work, r) if index == 2 else None
+        give_up = partial(honest_done, work, r) if index == ATTACKER else None
         try:
             rounds.append(
                 {
@@ -365,17 +376,19 @@ def main() -> None:
             )
         except RoundFailed as e:
             rounds.append({"failed": True, "why": str(e)})
-        if index == 2:
+        if index == ATTACKER:
             continue
         (work / f"done{r}_{index}").touch()
         rejected += avg.rejections()
         stalled += getattr(avg, "stalls", list)()
-    if attack == "withhold" and index < 2:  # named once its exchange's reducer timeout and the
+    if (
+        attack == "withhold" and index < ATTACKER
+    ):  # named once its exchange's reducer timeout and the
         deadline = time.monotonic() + TIMEOUT_S  # ask after it passed: wait out the last ask
         while not stalled and time.monotonic() < deadline:
             time.sleep(0.1)
             stalled += avg.stalls()
-    if index < 2:
+    if index < ATTACKER:
         torch.save(
             {"rounds": rounds, "rejected": rejected, "stalled": stalled}, work / f"out{index}.pt"
         )

@@ -194,8 +194,9 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
         dht.shutdown()
 
 
-def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
-    """Three averager processes (two honest, peer 2 poisoned), three rounds each."""
+def run_round(tmp_path: Path, attack: str, defend: bool, honest: int = 2) -> dict[int, dict]:
+    """Three averager processes (two honest, peer 2 poisoned), three rounds each; or `honest`
+    honest ones and peer `honest` poisoned. The honest peers' outputs."""
     tmp_path = tmp_path / f"{attack}-{'defended' if defend else 'undefended'}"
     tmp_path.mkdir()
     logs, procs = [], []
@@ -205,7 +206,7 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
     # per run after every peer had shut down, held by what its helpers had started
     deadline = time.monotonic() + 240
     try:
-        for i in range(3):
+        for i in range(honest + 1):
             logs.append(open(tmp_path / f"log{i}.txt", "w"))  # noqa: SIM115 (closed below)
             procs.append(
                 subprocess.Popen(
@@ -220,6 +221,7 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
                     stdout=logs[i],
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    env={**os.environ, "ATTACK_HONEST": str(honest)},
                 )
             )
         for i, p in enumerate(procs):
@@ -240,7 +242,7 @@ def run_round(tmp_path: Path, attack: str, defend: bool) -> dict[int, dict]:
                 p.kill()
         for log in logs:
             log.close()
-    return {i: torch.load(tmp_path / f"out{i}.pt") for i in range(2)}
+    return {i: torch.load(tmp_path / f"out{i}.pt") for i in range(honest)}
 
 
 @pytest.mark.parametrize("attack", ["nan", "scale"])
@@ -476,8 +478,10 @@ def test_stall_exclusions_double_at_each_repeat_and_quiet_rounds_forgive_them():
 def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: Path):
     """Peer 2 joins each round's group it gets into and then goes silent (its averager frozen,
     and none of its parts sent even once it wakes: peer_attack_harness.silent_member_patches).
-    The round it stalls is lost (its span is never averaged); both honest peers name it from the
-    all-reduce's timeouts and leave it out, so the later rounds land between them. (One of
+    The try it stalls is lost (its span is never averaged), and the honest pair run their group
+    again at once without it (redo.py; the round lost where they ended that try far apart); both
+    name it from the all-reduce's timeouts and leave it out, so the later rounds land between
+    them. (One of
     them may instead find no group, hivemind's matchmaking race between the honest pair: CI,
     2026-12-05, the last round. It counts against the one round a peer may lose.)"""
     outs = run_round(tmp_path, "stall", defend=True)
@@ -491,6 +495,35 @@ def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: P
         assert all(torch.allclose(r["delta"], honest_mean(), atol=1e-6) for r in later)
         assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
         assert not out["rejected"]  # left out for a while, not banned for good
+
+
+def test_a_stalled_try_is_run_again_at_once_by_its_group_without_the_staller(tmp_path: Path):
+    """Three honest peers and a staller (peer 3, as above) in one group: each honest peer ends
+    the try early over the staller and runs the same group again at once without it (redo.py),
+    with no matchmaking, and says so in its log; the round lands with the three of them, on
+    their average. The staller is named and left out, no honest peer is."""
+    outs = run_round(tmp_path, "stall", defend=True, honest=3)
+    logs = [(tmp_path / "stall-defended" / f"log{i}.txt").read_text() for i in range(4)]
+    ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
+    want, with_staller = honest_mean(3), honest_mean(4)  # (the staller's update is vectors(3))
+
+    def off(delta: torch.Tensor, mean: torch.Tensor) -> float:
+        return float((delta - mean).norm() / mean.norm())
+
+    for i, out in outs.items():
+        redone = [line for line in logs[i].splitlines() if "trying the lost group again" in line]
+        assert len(redone) == 1, (logs[i][-3000:], ids)  # the stalled round's; one redo a group
+        first = out["rounds"][0]
+        assert not first["failed"] and first["group"] == 3, (out["rounds"], ids)
+        # the three's parts clipped around their median (robust.py), not their plain mean: 3%
+        # off it here; the staller's update would move it 60%
+        assert off(first["delta"], want) < 0.1 and off(first["delta"], with_staller) > 0.3
+        # the same bits as a round of the three without it, and on every honest peer
+        later = [r for r in out["rounds"][1:] if not r["failed"] and r["group"] == 3]
+        assert all(torch.equal(r["delta"], first["delta"]) for r in later)
+        assert torch.equal(first["delta"], outs[0]["rounds"][0]["delta"])
+        assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
+        assert not out["rejected"]
 
 
 def test_a_member_that_withholds_its_spans_averages_ends_rounds_early_and_is_left_out(

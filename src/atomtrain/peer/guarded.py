@@ -29,6 +29,7 @@ that member's parts): there a banned reducer's averages are only bounded, not ch
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from contextlib import aclosing
@@ -63,9 +64,12 @@ from atomtrain.peer.exact import START_FLOOR_S, ExactAverageRunner, start_timeou
 from atomtrain.peer.exclusion import LeftOut
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import round_layout
+from atomtrain.peer.redo import is_redo, redo, redoes
 from atomtrain.peer.robust import RobustRunner
 from atomtrain.peer.sync import lower_median, membership, quorum
 from atomtrain.peer.traffic import RECEIVED, SENT, Traffic, counting_state_stubs
+
+log = logging.getLogger(__name__)
 
 BANNED, FORGED, MALFORMED, UNVERIFIED = 1, 2, 3, 4
 """Why a round is discarded (set by hivemind's process): it held a peer this one banned or
@@ -146,6 +150,9 @@ class GuardedAverager(DecentralizedAverager):
         self._opened: dict[PeerID, float] = {}  # peer -> when it last opened a stream of parts
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
         self._ran: dict[bytes, None] = {}  # groups this member ran, the latest HEARD_KEPT
+        self._running: bytes | None = None  # the group this member runs now (its ID)
+        self._ended_over: set[PeerID] = set()  # whom its last try ended early over (exact.py)
+        self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -323,6 +330,11 @@ class GuardedAverager(DecentralizedAverager):
         while group_id not in self._running_groups:
             if group_id in self._ran:  # over (its round ended early, say): not looking for it
                 return None
+            if is_redo(group_id) and group_id not in self._assembled:
+                if self._running is None or not redoes(group_id, self._running):
+                    return None  # not a redo this member will run (redo.py)
+                await asyncio.sleep(0.05)  # of the group it runs: it may, once that ends
+                continue
             matchmaking = getattr(self, "_matchmaking", None)
             looking = matchmaking is not None and matchmaking.is_looking_for_group
             asking = looking and self._asking
@@ -405,6 +417,7 @@ class GuardedAverager(DecentralizedAverager):
         self._led_by.clear()
         self._assembled.clear()
         self._gave_up_on.clear()
+        self._redo = None
         self._round_at = step.scheduled_time
         self._expected = self._read_expected()
         self._suspects.next_round(self._left_out.rounds)
@@ -479,6 +492,11 @@ class GuardedAverager(DecentralizedAverager):
             return group_info
 
         async def looked(step: Any):
+            again, self._redo = self._redo, None
+            if again is not None and step.allow_retries:  # the lost try's group, less those
+                ended_over = ", ".join(sorted(p.to_base58()[-8:] for p in self._ended_over))
+                log.info("trying the lost group again at once without %s", ended_over)
+                return again
             # each try: no group the quorum would refuse where the members it waits for make it
             # up; a round prepared for a slot (H auto) keeps hivemind's rule (not measured)
             least = least_group(self.peer_id, self._expected, self._waited_for, self._quorum())
@@ -567,6 +585,7 @@ class GuardedAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
         self._discard.value = 0  # this attempt's: a retry after a lost one may still land
         self._attempts.value += 1
+        self._running, self._ended_over, sealed = group_info.group_id, set(), group_info
         try:
             group_info = await self._checked(group_info)
             if not self._audited and any(
@@ -575,7 +594,15 @@ class GuardedAverager(DecentralizedAverager):
                 # take part for the others; apply nothing (module docstring)
                 self._discard.value = self._discard.value or BANNED
             return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        except BaseException:
+            # the same group at once, less those it ended early over (redo.py): assembled
+            # before this group ends, so that the others' parts for it wait for it
+            self._redo = redo(sealed, self._ended_over, self.peer_id, self._quorum())
+            if self._redo is not None:
+                self._assembled.add(self._redo.group_id)
+            raise
         finally:
+            self._running = None
             self._group_ended = time.monotonic()
             self._ran[group_info.group_id] = None
             keep_latest(self._ran, HEARD_KEPT)
@@ -635,6 +662,7 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             # not waited for in a retry (SUSPECT_ROUNDS); those that took part are again
             self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
+            self._ended_over = set(runner.suspects)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
