@@ -138,6 +138,7 @@ class ExactAverageRunner(CountedRunner):
         ]
         self._delivered: set[Any] = set()  # reducers that sent this member any average (of theirs)
         self._not_in_group: set[Any] = set()  # members that answered they are not in it
+        self._ended_over: set[Any] = set()  # the members whose silence or answer ended it early
         self._started = time.monotonic()
         self._unheard: set[Any] = set()  # members that had sent nothing as it ended early
         # members whose parts reached this member's averager for this group, whenever they came
@@ -233,7 +234,7 @@ class ExactAverageRunner(CountedRunner):
                 if not self._contacted(p) and self._start_timeout.get(p, math.inf) <= timeout
             ]
             if silent:
-                self.end_early(f"{_names(silent)} opened no stream in {timeout:.1f} s")
+                self.end_early(f"{_names(silent)} opened no stream in {timeout:.1f} s", silent)
                 return
         if await self._unstarted_by(sender_timeout):
             for peer_id in self.sender_peer_ids:  # hivemind's: their parts are left out
@@ -241,7 +242,7 @@ class ExactAverageRunner(CountedRunner):
                     await self._ban_sender(peer_id)
         reducing = self._reducing(self._silent())
         if reducing:
-            self.end_early(f"{_names(reducing)} sent nothing within the sender timeout")
+            self.end_early(f"{_names(reducing)} sent nothing within the sender timeout", reducing)
 
     async def _unstarted_by(self, seconds: float) -> bool:
         """Whether some sender has not started by `seconds` after this runner's start."""
@@ -264,7 +265,7 @@ class ExactAverageRunner(CountedRunner):
         """`peer_id` opened a stream of parts to this member since its previous group ended."""
         return self._opened.get(peer_id, -math.inf) > self._since
 
-    def end_early(self, why: str) -> None:
+    def end_early(self, why: str, over: Collection[Any] = ()) -> None:
         """End a round that is lost (a span will have no average) now, not at the reducer
         timeout: a stall held every member of its group there, and the members outside it as
         long, short of the quorum (bench attack's staller cost its honest peers 14 s a stall);
@@ -277,6 +278,7 @@ class ExactAverageRunner(CountedRunner):
         if self._future.done():
             return
         log.info("a round ended early (%s); looking for another group if time allows", why)
+        self._ended_over = set(over)
         unheard = self._unheard_now()
         self._unheard = set(unheard)
         deadline = self._reducer_deadline
@@ -289,6 +291,13 @@ class ExactAverageRunner(CountedRunner):
         """When this member's wait for any reducer ends (monotonic): the reducer timeout from its
         start, what the verdicts on silent members wait for before they name anyone."""
         return self._started + (self.reducer_timeout or self.sender_timeout or 0.0)
+
+    @property
+    def ended_over(self) -> set[Any]:
+        """The members whose silence (or answer that they are not in the group) ended this
+        round early: its group runs again at once without them (redo.py). Members merely not
+        heard from yet are not among them (they may have started later)."""
+        return self._ended_over
 
     @property
     def suspects(self) -> set[Any]:
@@ -374,7 +383,7 @@ class ExactAverageRunner(CountedRunner):
                 )
                 self._late[peer_id].add_done_callback(_retrieved)
                 why = f"{_names([peer_id])} sent no averages {waited:.1f} s after the others'"
-                self.end_early(why)
+                self.end_early(why, [peer_id])
                 raise AllreduceException(why)
             return await exchange
         finally:
@@ -456,6 +465,10 @@ class ExactAverageRunner(CountedRunner):
         except AllreduceException as e:
             if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                 self._not_in_group.add(peer_id)
+                # its span will have no average: the round is lost, so it ends now, not once
+                # every other span's averages came (a redo's member whose view differed,
+                # redo.py, or one that missed its leader's word; neither is named)
+                self.end_early(f"{_names([peer_id])} answered it is not in the group", [peer_id])
             raise
 
     async def _reduce_own_span(self) -> None:

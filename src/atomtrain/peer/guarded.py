@@ -662,7 +662,7 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             # not waited for in a retry (SUSPECT_ROUNDS); those that took part are again
             self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
-            self._ended_over = set(runner.suspects)
+            self._ended_over = set(runner.ended_over)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 

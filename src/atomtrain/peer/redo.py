@@ -1,28 +1,32 @@
 """A stalled group tried again at once, without the members it ended over and without matchmaking.
 
-A try that ends early over a silent member (exact.py, end_early) used to look for a new group:
-the leaders declare themselves in the DHT, the others find them there and ask to join, and the
-group forms once every member expected has joined (assembly.py). In bench attack's swarms (4
-peers, one stalling) that retry landed about 3 s after the try ended, sometimes 7 s (why, not
-traced), where a whole round takes about 3 s: a stalled round then cost more than one round.
+A try that ends early over a silent member (exact.py, end_early) used to look for a new group: the
+leaders declare themselves in the DHT, the others find them there and ask to join, and the group
+forms once every member expected has joined (assembly.py). In bench attack's swarms (4 peers, one
+stalling) that retry landed about 3 s after the try ended, sometimes 7 s (why, not traced), where a
+whole round takes about 3 s: a stalled round then cost more than one round.
 
-The members of a lost try already know one another: the group's members in its order and the
-metadata each sealed for this round (gather.py). So a member whose try ended early over some
-members runs the same group again, less those, at once: its `redo`. Every member that ended
-over the same members forms the same group, with an ID made from the lost group's and the
-members kept, so the group's all-reduce needs no leader and no DHT. A member that ended over
-others forms another group, whose ID no one else runs: its parts are refused (not in the group,
-which names no one), the redo fails within its start timeout, and it looks for a group as
-before. So does a redo that a member ended over someone too: one redo per group found by
-matchmaking. A redo is only formed where its members can make the round's quorum (sync.quorum;
-less could not be applied): in a group of three with one staller the others look for a group.
+A try is ended over the members whose silence ended it (exact.py, `ended_over`: those that opened no
+stream by their start timeout, sent nothing by the sender timeout, or as a reducer sent no averages;
+or that answered they are not in the group), not over every member not heard from yet, which may
+merely have started later. The members of a lost try already know one another: the group's members
+in its order and the metadata each sealed for this round (gather.py). So a member whose try ended
+early over some members runs the same group again, less those, at once: its `redo`. Every member
+that ended over the same members forms the same group, with an ID made from the lost group's and the
+members kept, so the group's all-reduce needs no leader and no DHT. A member that ended over others
+forms another group, whose ID no one else runs: its parts are refused (not in the group, which names
+no one), the redo ends at once (exact.py ends a try as soon as a member answers it is not in the
+group), and it looks for a group as before. So does a redo that a member ended over someone too: one
+redo per group found by matchmaking. A redo is only formed where its members can make the round's
+quorum (sync.quorum; less could not be applied): in a group of three with one staller the others
+look for a group.
 
-Parts of a redo can reach a member that has not finished the lost try yet (its start timeout
-counts from its own, later start): the redo's ID names the group it redoes (`redoes`), so such a
-member holds them until that try ends (guarded.py, _group_runner), then runs the same redo or
-refuses them; parts of any other redo it refuses at once. A redo holds nothing new to trust: its
-metadata is what each member sealed for the round and is checked as any group's, and its all-
-reduce is the round's usual one, audited where the swarm audits.
+Parts of a redo can reach a member that has not finished the lost try yet (its start timeout counts
+from its own, later start): the redo's ID names the group it redoes (`redoes`), so such a member
+holds them until that try ends (guarded.py, _group_runner), then runs the same redo or refuses them;
+parts of any other redo it refuses at once. A redo holds nothing new to trust: its metadata is what
+each member sealed for the round and is checked as any group's, and its all-reduce is the round's
+usual one, audited where the swarm audits.
 """
 
 from __future__ import annotations
