@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -645,11 +646,12 @@ def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_time
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
 
 
-def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
+def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so_and_ends_the_round():
     """What the audit's and the stall rule's exemptions read (`_not_in_group`): a reducer that
     answers this member's parts BAD_GROUP_ID, as hivemind's sender reports it (its error's
     words, matched by exact.NOT_IN_GROUP), fails its span and is recorded as not in the group,
-    not as heard from."""
+    not as heard from. Its span will have no average, so the round ends there, over it
+    (`ended_over`: its group runs again without it, redo.py), naming no one."""
     from hivemind.averaging.partition import AllreduceException
     from hivemind.p2p import PeerID
 
@@ -663,7 +665,7 @@ def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
 
             return answer()
 
-    async def scenario() -> tuple[str, bool, bool]:
+    async def scenario() -> tuple[str, bool, bool, Any]:
         me, other = peer_id("me"), peer_id("other")
         runner = ExactAverageRunner(
             p2p=SimpleNamespace(peer_id=me), servicer_type=GuardedAverager, prefix="t",
@@ -673,11 +675,17 @@ def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
         )  # fmt: skip
         assert runner.tensor_part_container.num_parts_by_peer[1] > 0  # `other` reduces a span
         runner._get_peer_stub = lambda peer: Stub()
+        named: list[Any] = []
+        runner._on_stall = lambda peer, why: named.append(peer)
         with pytest.raises(AllreduceException) as failed:
             await runner._communicate_with_peer(other)
-        return str(failed.value), other in runner._not_in_group, runner._heard_from(other)
+        ended = runner._future.done() and str(runner._future.exception())
+        await asyncio.sleep(2.5)  # past the reducer timeout: no verdict names it
+        assert runner.ended_over == {other} and not named
+        return str(failed.value), other in runner._not_in_group, runner._heard_from(other), ended
 
-    why, not_in_group, heard = asyncio.run(scenario())
+    why, not_in_group, heard, ended = asyncio.run(scenario())
+    assert ended and ended.endswith("answered it is not in the group"), ended
     # (hivemind fills the failed span with this member's own parts through the same call that
     # registers averages: those stand-ins counted as averages `other` delivered, so one that
     # missed its group was heard from, and doubted for the audit verdict it could not give)

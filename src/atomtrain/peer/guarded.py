@@ -331,9 +331,12 @@ class GuardedAverager(DecentralizedAverager):
             if group_id in self._ran:  # over (its round ended early, say): not looking for it
                 return None
             if is_redo(group_id) and group_id not in self._assembled:
-                if self._running is None or not redoes(group_id, self._running):
-                    return None  # not a redo this member will run (redo.py)
-                await asyncio.sleep(0.05)  # of the group it runs: it may, once that ends
+                # a redo of the group this member runs may be its own once that ends, for as
+                # long as its sender gives it to start (redo.py); any other it will not run
+                running = self._running is not None and redoes(group_id, self._running)
+                if not running or time.monotonic() - began > self._start_timeout_s:
+                    return None
+                await asyncio.sleep(0.05)
                 continue
             matchmaking = getattr(self, "_matchmaking", None)
             looking = matchmaking is not None and matchmaking.is_looking_for_group

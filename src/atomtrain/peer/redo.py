@@ -24,9 +24,12 @@ look for a group.
 Parts of a redo can reach a member that has not finished the lost try yet (its start timeout counts
 from its own, later start): the redo's ID names the group it redoes (`redoes`), so such a member
 holds them until that try ends (guarded.py, _group_runner), then runs the same redo or refuses them;
-parts of any other redo it refuses at once. A redo holds nothing new to trust: its metadata is what
-each member sealed for the round and is checked as any group's, and its all-reduce is the round's
-usual one, audited where the swarm audits.
+parts of any other redo it refuses at once. It holds them no longer than the start timeout's floor
+(`peer.start_timeout_s`): its sender ends the redo over it by then, and asks it for its span. Held
+until a long try ended, that ask went unanswered past the asker's reducer timeout, and the asker
+named an honest member (bench attack, a seed's first round: an honest peer left out). A redo holds
+nothing new to trust: its metadata is what each member sealed for the round and is checked as any
+group's, and its all-reduce is the round's usual one, audited where the swarm audits.
 """
 
 from __future__ import annotations
