@@ -79,6 +79,7 @@ def averaged_round(
         "group": result.group_size,
         "in_sync": result.in_sync,
         "round_s": time.monotonic() - began,
+        "attempts": avg.attempts,  # groups it ran its all-reduce with (a lost try, then another)
     }
 
 

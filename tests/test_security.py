@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -516,6 +515,7 @@ def test_a_stalled_try_is_run_again_at_once_by_its_group_without_the_staller(tmp
         assert len(redone) == 1, (logs[i][-3000:], ids)  # the stalled round's; one redo a group
         first = out["rounds"][0]
         assert not first["failed"] and first["group"] == 3, (out["rounds"], ids)
+        assert first["attempts"] == 2, (out["rounds"], ids)  # the lost try, then its redo
         # the three's parts clipped around their median (robust.py), not their plain mean: 3%
         # off it here; the staller's update would move it 60%
         assert off(first["delta"], want) < 0.1 and off(first["delta"], with_staller) > 0.3
@@ -646,12 +646,11 @@ def test_a_round_ended_early_names_only_members_still_silent_at_the_reducer_time
     assert ended_early(leader="b", heard="", wait_s=0.05)[1] == []  # not before the timeout
 
 
-def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so_and_ends_the_round():
+def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
     """What the audit's and the stall rule's exemptions read (`_not_in_group`): a reducer that
     answers this member's parts BAD_GROUP_ID, as hivemind's sender reports it (its error's
     words, matched by exact.NOT_IN_GROUP), fails its span and is recorded as not in the group,
-    not as heard from. Its span will have no average, so the round ends there, over it
-    (`ended_over`: its group runs again without it, redo.py), naming no one."""
+    not as heard from."""
     from hivemind.averaging.partition import AllreduceException
     from hivemind.p2p import PeerID
 
@@ -665,7 +664,7 @@ def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so_and_ends_t
 
             return answer()
 
-    async def scenario() -> tuple[str, bool, bool, Any]:
+    async def scenario() -> tuple[str, bool, bool]:
         me, other = peer_id("me"), peer_id("other")
         runner = ExactAverageRunner(
             p2p=SimpleNamespace(peer_id=me), servicer_type=GuardedAverager, prefix="t",
@@ -675,17 +674,11 @@ def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so_and_ends_t
         )  # fmt: skip
         assert runner.tensor_part_container.num_parts_by_peer[1] > 0  # `other` reduces a span
         runner._get_peer_stub = lambda peer: Stub()
-        named: list[Any] = []
-        runner._on_stall = lambda peer, why: named.append(peer)
         with pytest.raises(AllreduceException) as failed:
             await runner._communicate_with_peer(other)
-        ended = runner._future.done() and str(runner._future.exception())
-        await asyncio.sleep(2.5)  # past the reducer timeout: no verdict names it
-        assert runner.ended_over == {other} and not named
-        return str(failed.value), other in runner._not_in_group, runner._heard_from(other), ended
+        return str(failed.value), other in runner._not_in_group, runner._heard_from(other)
 
-    why, not_in_group, heard, ended = asyncio.run(scenario())
-    assert ended and ended.endswith("answered it is not in the group"), ended
+    why, not_in_group, heard = asyncio.run(scenario())
     # (hivemind fills the failed span with this member's own parts through the same call that
     # registers averages: those stand-ins counted as averages `other` delivered, so one that
     # missed its group was heard from, and doubted for the audit verdict it could not give)

@@ -294,9 +294,9 @@ class ExactAverageRunner(CountedRunner):
 
     @property
     def ended_over(self) -> set[Any]:
-        """The members whose silence (or answer that they are not in the group) ended this
-        round early: its group runs again at once without them (redo.py). Members merely not
-        heard from yet are not among them (they may have started later)."""
+        """The members whose silence ended this round early: its group runs again at once
+        without them (redo.py). Members merely not heard from yet are not among them (they may
+        have started later)."""
         return self._ended_over
 
     @property
@@ -465,10 +465,6 @@ class ExactAverageRunner(CountedRunner):
         except AllreduceException as e:
             if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                 self._not_in_group.add(peer_id)
-                # its span will have no average: the round is lost, so it ends now, not once
-                # every other span's averages came (a redo's member whose view differed,
-                # redo.py, or one that missed its leader's word; neither is named)
-                self.end_early(f"{_names([peer_id])} answered it is not in the group", [peer_id])
             raise
 
     async def _reduce_own_span(self) -> None:

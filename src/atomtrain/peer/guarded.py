@@ -41,6 +41,7 @@ from typing import Any, AsyncIterator  # noqa: UP035
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.proto.averaging_pb2 import BEGIN_ALLREDUCE
@@ -325,7 +326,13 @@ class GuardedAverager(DecentralizedAverager):
         Its span fails and the round with it; the answer names no one. While this member still
         has a join request out, such a sender's parts wait a second first: the leader given up
         on may have joined another leader's group with this member in it, whose word is on its
-        way (a group refused so is lost all the same where that word takes longer)."""
+        way (a group refused so is lost all the same where that word takes longer).
+
+        A redo (redo.py) of the group this member runs now may be its own once that group
+        ends: its parts wait for that, as long as the start timeout's floor (the start timeout
+        its sender gives it: redos run only in rounds that declare no start lag). Any other
+        redo it refuses at once: it will not run it, and held while it looks for a group, the
+        ask after would have gone unanswered past the asker's reducer timeout."""
         began = time.monotonic()
         while group_id not in self._running_groups:
             if group_id in self._ran:  # over (its round ended early, say): not looking for it
@@ -485,6 +492,8 @@ class GuardedAverager(DecentralizedAverager):
 
         async def followed(leader: PeerID, message: Any):
             group_info = await assemble(leader, message)
+            if is_redo(group_info.group_id):  # only members name a redo (redo.py), never a leader
+                raise MatchmakingException("a leader named its group as a redo")
             self._leaders[group_info.group_id] = leader  # whom to blame for forged metadata
             self._assembled.add(group_info.group_id)
             return group_info
