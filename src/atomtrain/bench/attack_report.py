@@ -128,14 +128,14 @@ def failed_round_s(run: SwarmRun) -> float | None:
 
 
 def lost_attempt_cost(run: SwarmRun) -> dict[str, Any]:
-    """What the rounds whose all-reduce was lost (a stall ends one; hivemind retries with
-    another group if time allows) cost the honest peers, in rounds: a round that landed after a
-    retry, its wall time over the median of the rounds that landed at their first attempt,
-    less one; a round that failed after running an all-reduce, its whole wall time over that
-    median (nothing of it landed; its progress goes with the next round). The issue's bar: a
-    stall costs at most one round. Rounds that found no group (attempts 0) are not counted;
-    rounds whose all-reduce ran and was not applied (a pair short of the quorum, a discard)
-    are, in clean runs too (`clean_lost_attempt_cost`)."""
+    """What the rounds whose all-reduce was lost (a stall ends one; its group runs again without the
+    staller, peer/redo.py, or hivemind retries with another group, if time allows) cost the
+    honest peers, in rounds: a round that landed after a retry, its wall time over the median of
+    the rounds that landed at their first attempt, less one; a round that failed after running
+    an all-reduce, its whole wall time over that median (nothing of it landed; its progress goes
+    with the next round). The issue's bar: a stall costs at most one round. Rounds that found no
+    group (attempts 0) are not counted; rounds whose all-reduce ran and was not applied (a pair
+    short of the quorum, a discard) are, in clean runs too (`clean_lost_attempt_cost`)."""
     typical = [
         r["round_s"] for log in run.records for r in log
         if "round_s" in r and r.get("round_attempts") == 1

@@ -1,6 +1,10 @@
 """When a leader forms a retry's group: at once when every member it expects has joined; and
 never, at its matchmaking time, one smaller than a quorum those it waits for can make up.
 
+(A try that ended early over a staller is first run again by the rest of its group with no
+matchmaking at all, where they make the quorum: redo.py. What follows is the matchmaking a retry
+goes through where they do not, or where that redo was lost too.)
+
 hivemind's leader forms its group when `target_group_size` members have joined, or when its
 matchmaking time ends. In a swarm smaller than that target (64 by default) every try waits out the
 whole matchmaking time, and a round retried after a stall paid it twice: in bench attack (3-4

@@ -21,8 +21,10 @@ attack every member's first part came within 0.65 s of this member's start), or 
 the sender timeout (its span will have no average) ends it there rather than at the reducer
 timeout; so does a reducer that sent its parts yet, once every other span's averages came, has sent
 none of its own for its start timeout (a member frozen after sending its parts: rounds of 13.6 s
-where 3 s is typical in bench attack). A round that looked for its group when it was due then looks
-for another within the round's time; a round prepared for a slot fails, and the next slot comes.
+where 3 s is typical in bench attack). A round that looked for its group when it was due then runs
+the same group again at once without the members whose silence ended it (`ended_over`, redo.py),
+where they make the round's quorum, and otherwise looks for another group, within the round's
+time; a round prepared for a slot fails, and the next slot comes.
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
 its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout; where
@@ -55,6 +57,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
+from atomtrain.peer.redo import is_redo
 from atomtrain.peer.traffic import CountedRunner
 
 log = logging.getLogger(__name__)
@@ -269,7 +272,8 @@ class ExactAverageRunner(CountedRunner):
         """End a round that is lost (a span will have no average) now, not at the reducer
         timeout: a stall held every member of its group there, and the members outside it as
         long, short of the quorum (bench attack's staller cost its honest peers 14 s a stall);
-        hivemind then looks for another group within the round's time. An honest member that
+        the group then runs again without `over` (redo.py), or hivemind looks for another group,
+        within the round's time. An honest member that
         started late loses a round it might have landed late, and is not named for it: members
         that have sent nothing yet are named only if, until the reducer timeout counted from this
         member's start, their parts never reach this member's averager (`heard`) and, asked for
@@ -277,7 +281,7 @@ class ExactAverageRunner(CountedRunner):
         looking for its group says so), as when the round ran there."""
         if self._future.done():
             return
-        log.info("a round ended early (%s); looking for another group if time allows", why)
+        log.info("a round ended early (%s); trying again if time allows", why)
         self._ended_over = set(over)
         unheard = self._unheard_now()
         self._unheard = set(unheard)
@@ -301,8 +305,9 @@ class ExactAverageRunner(CountedRunner):
 
     @property
     def suspects(self) -> set[Any]:
-        """The members this round ended early over (they had sent nothing, or a reducer no
-        averages): not named yet (that waits for the reducer timeout), but a leader does not wait
+        """The members not heard from when this round ended early (every one that had sent
+        nothing, not only those whose silence ended it, `ended_over`), and reducers that sent no
+        averages: not named yet (that waits for the reducer timeout), but a leader does not wait
         for them in the round's next try (assembly.py)."""
         return self._unheard | set(self._late)
 
@@ -465,6 +470,8 @@ class ExactAverageRunner(CountedRunner):
         except AllreduceException as e:
             if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                 self._not_in_group.add(peer_id)
+                if is_redo(self.group_id):  # its view of the lost try differed (redo.py)
+                    self.end_early(f"{_names([peer_id])} is not in this redo")
             raise
 
     async def _reduce_own_span(self) -> None:

@@ -126,7 +126,7 @@ class GuardedAverager(DecentralizedAverager):
         self._provider, self._gate, self._defence = provider, gate, defence
         self._expected_members, self._assemble_early = expected, assemble_early
         self._expected: list[PeerID] = []  # this round's live others (assembly.py)
-        self._suspects = Suspects()  # whom this round's tries ended early over (assembly.py)
+        self._suspects = Suspects()  # whom this round's tries ended early unheard (assembly.py)
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
         self._start_timeout_s = start_timeout_s

@@ -7,19 +7,21 @@ stalling) that retry landed about 3 s after the try ended, sometimes 7 s (why, n
 whole round takes about 3 s: a stalled round then cost more than one round.
 
 A try is ended over the members whose silence ended it (exact.py, `ended_over`: those that opened no
-stream by their start timeout, sent nothing by the sender timeout, or as a reducer sent no averages;
-or that answered they are not in the group), not over every member not heard from yet, which may
-merely have started later. The members of a lost try already know one another: the group's members
-in its order and the metadata each sealed for this round (gather.py). So a member whose try ended
-early over some members runs the same group again, less those, at once: its `redo`. Every member
-that ended over the same members forms the same group, with an ID made from the lost group's and the
-members kept, so the group's all-reduce needs no leader and no DHT. A member that ended over others
-forms another group, whose ID no one else runs: its parts are refused (not in the group, which names
-no one), the redo ends at once (exact.py ends a try as soon as a member answers it is not in the
-group), and it looks for a group as before. So does a redo that a member ended over someone too: one
-redo per group found by matchmaking. A redo is only formed where its members can make the round's
-quorum (sync.quorum; less could not be applied): in a group of three with one staller the others
-look for a group.
+stream by their start timeout, sent nothing by the sender timeout, or as a reducer sent no
+averages), not over every member not heard from yet, which may merely have started later. The
+members of a lost try already know one another: the group's members in its order and the metadata
+each sealed for this round (gather.py). So a member whose try ended early over some members runs the
+same group again, less those, at once: its `redo`. Every member that ended over the same members
+forms the same group, with an ID made from the lost group's and the members kept, so the group's
+all-reduce needs no leader and no DHT. A member that ended over others forms another group, whose ID
+no one else runs: its parts are refused (not in the group, which names no one), its redo ends at
+once (exact.py ends a redo as soon as a member answers it is not in it; it waited until the round's
+timeout, a round of 19.6 s in bench attack), and it looks for a group as before. (Only a redo ends
+so: in a group found by matchmaking, a member that ended its try sooner answers so too, and the late
+member that ended at once might stop before its parts reached a member that then named it.) So does
+a redo that a member ended over someone too: one redo per group found by matchmaking. A redo is only
+formed where its members can make the round's quorum (sync.quorum; less could not be applied): in a
+group of three with one staller the others look for a group.
 
 Parts of a redo can reach a member that has not finished the lost try yet (its start timeout counts
 from its own, later start): the redo's ID names the group it redoes (`redoes`), so such a member
