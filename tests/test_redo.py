@@ -60,6 +60,7 @@ def test_a_member_holds_a_redo_of_the_group_it_runs_until_it_runs_it_or_its_floo
 
     def member(running: bytes | None) -> GuardedAverager:
         avg = GuardedAverager.__new__(GuardedAverager)
+        avg._parent_pid = None  # (never started: hivemind's __del__ reads it)
         avg._running_groups, avg._ran, avg._assembled = {}, {}, set()
         avg._missed, avg._gave_up_on, avg._asking = {}, {}, 0
         avg._running, avg._start_timeout_s, avg._matchmaking = running, 0.5, None
@@ -93,3 +94,93 @@ def test_a_member_holds_a_redo_of_the_group_it_runs_until_it_runs_it_or_its_floo
     for running, group_id in ((GROUP.group_id, elsewhere.group_id), (None, again.group_id)):
         got, took = asyncio.run(waited(running, group_id))
         assert got is None and took < 0.2
+
+
+def test_a_leader_that_names_its_group_as_a_redo_is_refused_and_rejected():
+    """Only members name a redo; a leader whose group ID looks like one (which would keep its
+    members from redoing its groups, and spared it the blame for forged metadata) is refused
+    before its group is taken in, and rejected."""
+    import asyncio
+    import queue
+    from types import SimpleNamespace
+
+    from atomtrain.peer.guarded import GuardedAverager
+    from atomtrain.peer.redo import TAG
+
+    taken: list[bytes] = []
+
+    async def assemble(leader, message):
+        taken.append(message.group_id)
+        return GroupInfo(message.group_id, GROUP.peer_ids, GROUP.gathered)
+
+    async def unused(*args):
+        raise AssertionError("not called here")
+
+    banned: set = set()
+    avg = GuardedAverager.__new__(GuardedAverager)
+    avg._parent_pid = None  # (never started: hivemind's __del__ reads it)
+    avg._matchmaking = SimpleNamespace(
+        _request_join_group=unused, request_timeout=1.0, follower_assemble_group=assemble,
+        leader_assemble_group=unused, look_for_group=unused,
+    )  # fmt: skip
+    avg._gate = SimpleNamespace(banned=banned, ban=banned.add)
+    avg._events, avg._leaders, avg._assembled = queue.Queue(), {}, set()
+    avg._guard_leaders()
+    follow = avg._matchmaking.follower_assemble_group
+    assert asyncio.run(follow(peer(7), SimpleNamespace(group_id=TAG + b"x" * 24))) is None
+    assert taken == [] and banned == {peer(7)} and avg._events.get_nowait()[2] == "reject"
+    assert asyncio.run(follow(peer(8), SimpleNamespace(group_id=b"g" * 20))) is not None
+    assert taken == [b"g" * 20] and avg._leaders[b"g" * 20] == peer(8)
+
+
+def test_an_ask_that_came_before_its_member_ran_the_group_is_answered_not_in_it():
+    """exact.py asks a member it ended a round over for its span; one that was late to the group
+    (or to a redo) got the ask held until it ran the group, and its runner, which answers no
+    ask, did not say it was not in it: the asker named it unless its parts had come, which a
+    redo ended at once may not send. Now it says so. An ask for a group it ran already, or
+    parts, go to the group's runner as before."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+
+    from atomtrain.peer.guarded import GuardedAverager
+    from atomtrain.peer.traffic import Traffic
+
+    delivered: list[int] = []
+
+    class Runner:
+        over = False
+
+        async def rpc_aggregate_part(self, stream, context):
+            async for _ in stream:
+                delivered.append(1)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+
+    async def allows(dht, peer_id):
+        return True
+
+    def member(running: bool) -> GuardedAverager:
+        avg = GuardedAverager.__new__(GuardedAverager)
+        avg._parent_pid = None  # (never started: hivemind's __del__ reads it)
+        avg._opened, avg._heard, avg._audits, avg._traffic = {}, {}, {}, Traffic()
+        avg._gate, avg.dht, avg._defence = SimpleNamespace(allows=allows), None, None
+        avg._running_groups = {b"g" * 20: None} if running else {}
+
+        async def group_runner(group_id, sender=None):
+            return Runner()  # (it runs the group by now)
+
+        avg._group_runner = group_runner
+        return avg
+
+    async def answer(running: bool, message) -> int:
+        async def stream():
+            yield message
+
+        context = SimpleNamespace(remote_id=peer(5))
+        replies = member(running).rpc_aggregate_part(stream(), context)
+        return (await anext(replies)).code
+
+    ask = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g" * 20)
+    assert asyncio.run(answer(False, ask)) == averaging_pb2.BAD_GROUP_ID and not delivered
+    assert asyncio.run(answer(True, ask)) == averaging_pb2.AVERAGED_PART and delivered

@@ -328,7 +328,8 @@ class ExactAverageRunner(CountedRunner):
     async def _answers(self, peer_id: Any, deadline: float, parts_count: bool = True) -> bool:
         """Whether `peer_id` answers a request for its span of this round, before `deadline`,
         that it is not in the group (an honest member that missed its leader's word says so once
-        it stops looking for a group: as `_not_in_group`, such a member is not named). Its parts
+        it stops looking for a group, and one late to the group, or to a redo, as it was not in it
+        when asked: guarded.py; as `_not_in_group`, such a member is not named). Its parts
         reaching this member meanwhile count too, if `parts_count` (not for a reducer whose
         parts came: _name_if_no_averages). Any other answer spares no one: a staller that keeps
         its averager answering but sends nothing is still named."""
@@ -470,7 +471,7 @@ class ExactAverageRunner(CountedRunner):
         except AllreduceException as e:
             if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
                 self._not_in_group.add(peer_id)
-                if is_redo(self.group_id):  # its view of the lost try differed (redo.py)
+                if is_redo(self.group_id):  # it ended the redo sooner, or formed another
                     self.end_early(f"{_names([peer_id])} is not in this redo")
             raise
 

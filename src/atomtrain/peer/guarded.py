@@ -41,7 +41,6 @@ from typing import Any, AsyncIterator  # noqa: UP035
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
-from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.proto.averaging_pb2 import BEGIN_ALLREDUCE
@@ -210,13 +209,12 @@ class GuardedAverager(DecentralizedAverager):
                     await self._assemble_if_all_joined()
 
     async def _assemble_if_all_joined(self) -> None:
-        """In a retry (or any try, with `always`), form the group now when every member this
-        leader expects has joined (assembly.py): live, not left out or banned, and not one an
-        earlier try of the round ended early over (assembly.SUSPECT_ROUNDS; exact.py names it
-        only later), in a group that holds the round's quorum. Called just after hivemind's
-        matchmaking accepted a follower and sent it word, before it checks its own
-        `target_group_size`: its request lock is still held by that call, suspended where it
-        sent the word."""
+        """In a retry (or any try, with `always`), form the group now when every member this leader
+        expects has joined (assembly.py): live, not left out or banned, and not one an earlier try
+        of the round ended early unheard from (assembly.SUSPECT_ROUNDS; exact.py names it only
+        later), in a group that holds the round's quorum. Called just after hivemind's matchmaking
+        accepted a follower and sent it word, before it checks its own `target_group_size`: its
+        request lock is still held by that call, suspended where it sent the word."""
         matchmaking = self._matchmaking
         step = matchmaking.step_control
         if (
@@ -262,11 +260,17 @@ class GuardedAverager(DecentralizedAverager):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         first = await anext(stream)
+        running = first.group_id in self._running_groups  # (as the request came)
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
         self._heard_of(first.group_id).add(context.remote_id)
         group = await self._group_runner(first.group_id, context.remote_id)
-        if group is None or group.over:  # not in it, or its round of it is over
+        # an ask for this member's span (no part: exact.py, _answers) that came before it ran
+        # the group is answered that it was not in it: held until it ran it (late to its group,
+        # or to a redo), the ask reached its runner, which answers no ask, and the asker named
+        # it unless its parts had reached the asker, which a redo ended at once may not send
+        asked_before = not running and not first.HasField("tensor_part")
+        if group is None or group.over or asked_before:  # not in it, or its round is over
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         runner = self._audits.get(first.group_id) if refused else None
@@ -491,9 +495,10 @@ class GuardedAverager(DecentralizedAverager):
                     self._gave_up_on[leader] = None
 
         async def followed(leader: PeerID, message: Any):
+            if is_redo(message.group_id):  # only members name a redo (redo.py), never a leader
+                self._reject(leader, "formed a group under a redo's ID")
+                return None  # (a refusal: this member looks on)
             group_info = await assemble(leader, message)
-            if is_redo(group_info.group_id):  # only members name a redo (redo.py), never a leader
-                raise MatchmakingException("a leader named its group as a redo")
             self._leaders[group_info.group_id] = leader  # whom to blame for forged metadata
             self._assembled.add(group_info.group_id)
             return group_info

@@ -3,8 +3,9 @@
 A try that ends early over a silent member (exact.py, end_early) used to look for a new group: the
 leaders declare themselves in the DHT, the others find them there and ask to join, and the group
 forms once every member expected has joined (assembly.py). In bench attack's swarms (4 peers, one
-stalling) that retry landed about 3 s after the try ended, sometimes 7 s (why, not traced), where a
-whole round takes about 3 s: a stalled round then cost more than one round.
+stalling) that retry landed about 3 s after the try ended, sometimes 6-7 s (a DHT search waiting on
+the frozen staller's node, runs ZD and ZE; later, not traced), where a whole round takes about 3 s:
+a stalled round then cost more than one round.
 
 A try is ended over the members whose silence ended it (exact.py, `ended_over`: those that opened no
 stream by their start timeout, sent nothing by the sender timeout, or as a reducer sent no
