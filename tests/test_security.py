@@ -1726,14 +1726,17 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
     asked for a group it already ran, or whose round of it is over, says so at once, even while
     it looks for its next."""
 
+    from hivemind.compression import serialize_torch_tensor
+
     async def scenario() -> dict[str, list[int]]:
         avg = handlers_alone()
         avg._running_groups, avg._assembled = {}, set()
         avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
 
         async def served(group: bytes, member: str = "member") -> list[int]:
-            async def part():
-                yield averaging_pb2.AveragingData(group_id=group, weight=1.0)
+            async def part():  # (a part, not an ask: a part of no group it ran yet is waited on)
+                tensor = serialize_torch_tensor(torch.zeros(1))
+                yield averaging_pb2.AveragingData(group_id=group, weight=1.0, tensor_part=tensor)
 
             sender = SimpleNamespace(remote_id=member)
             return [m.code async for m in avg.rpc_aggregate_part(part(), sender)]
