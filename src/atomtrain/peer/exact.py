@@ -141,7 +141,7 @@ class ExactAverageRunner(CountedRunner):
         ]
         self._delivered: set[Any] = set()  # reducers that sent this member any average (of theirs)
         self._not_in_group: set[Any] = set()  # members that answered they are not in it
-        self._ended_over: set[Any] = set()  # the members whose silence or answer ended it early
+        self._ended_over: set[Any] = set()  # the members whose silence ended it early
         self._started = time.monotonic()
         self._unheard: set[Any] = set()  # members that had sent nothing as it ended early
         # members whose parts reached this member's averager for this group, whenever they came
