@@ -814,9 +814,9 @@ async def reducer_waited(
     seconds (None: never, and they answer nothing after, frozen after sending their parts;
     "left": never, and asked later for their span they answer that they are not in the group).
     `robust`: the defended runner (robust.py), which checks each average as it comes. Start
-    timeouts 0.3 s, sender timeout 0.75 s, reducer timeout 1.5 s. (When both exchanges ended,
-    relative to the start; how the round ended; who was named by then, and by 3.3 s: a frozen
-    one is named at about 2.25 s; whom it ended over, the round's retry waits for none of them.)
+    timeouts 0.3 s, sender timeout 0.75 s, reducer timeout 2.5 s. (When both exchanges ended,
+    relative to the start; how the round ended; who was named by then, and by 4.3 s: a frozen
+    one is named at about 3.25 s; whom it ended over, the round's retry waits for none of them.)
     """
     from hivemind.compression import serialize_torch_tensor
     from hivemind.p2p import PeerID
@@ -835,7 +835,7 @@ async def reducer_waited(
         common = dict(
             p2p=SimpleNamespace(peer_id=ids["me"]), servicer_type=GuardedAverager, prefix="t",
             group_id=b"g", tensors=[torch.arange(96.0)], ordered_peer_ids=list(ids.values()),
-            peer_fractions=(1 / 3, 1 / 3, 1 / 3), sender_timeout=0.75, reducer_timeout=1.5,
+            peer_fractions=(1 / 3, 1 / 3, 1 / 3), sender_timeout=0.75, reducer_timeout=2.5,
             traffic=Traffic(), part_size_bytes=64, start_timeouts=[0.3, 0.3, 0.3],
             on_stall=lambda p, why: named.append(names[p]), heard={ids["o"], ids["r"]},
         )  # fmt: skip
@@ -881,7 +881,7 @@ async def reducer_waited(
         done = runner._future.done() and runner._future.exception() is not None
         why = str(runner._future.exception()) if done else ""
         named_then, suspects = list(named), {names[p] for p in runner.suspects}
-        await asyncio.sleep(max(runner._started + 3.3 - time.monotonic(), 0.0))
+        await asyncio.sleep(max(runner._started + 4.3 - time.monotonic(), 0.0))
         return ended, why, named_then, named, suspects
 
     return await scenario()
@@ -897,26 +897,26 @@ def test_a_reducer_that_alone_sends_no_averages_ends_the_round_at_its_start_time
     into a round the others had left, costs a round and is not left out. Where another span's
     averages are missing too, nothing ends early, and a reducer that answers in time ends
     nothing. Both the plain runner and the defended one (robust.py)."""
-    cases = [{"o": 0.0, "r": r} for r in (None, 1.0, "left", 0.0)] + [{"o": None, "r": None}]
+    cases = [{"o": 0.0, "r": r} for r in (None, 1.5, "left", 0.0)] + [{"o": None, "r": None}]
 
     async def all_cases() -> list[tuple[float, str, list[str], list[str], set[str]]]:
         runs = [reducer_waited(c, robust) for robust in (False, True) for c in cases]
-        return await asyncio.gather(*runs)  # all at once: 3.3 s, not 33
+        return await asyncio.gather(*runs)  # all at once: 4.3 s, not 43
 
     results = asyncio.run(all_cases())
     for robust, (frozen, slow, left, in_time, both) in enumerate((results[:5], results[5:])):
         ended, why, then, later, suspects = frozen
-        assert ended < 0.9 and why.endswith("sent no averages 0.3 s after the others'"), (
+        assert ended < 1.2 and why.endswith("sent no averages 0.3 s after the others'"), (
             robust, ended, why)  # fmt: skip
         assert then == [] and later == ["r"], (robust, then, later)
         assert suspects == {"r"}, (robust, suspects)  # its retry's leader does not wait for r
         for ended, why, _, later, suspects in (slow, left):
-            assert ended < 0.9 and "sent no averages" in why and later == [], (
+            assert ended < 1.2 and "sent no averages" in why and later == [], (
                 robust, ended, why, later)  # fmt: skip
             assert suspects == {"r"}, (robust, suspects)
         assert in_time[1] == "" and in_time[3] == [] and in_time[4] == set(), (robust, in_time)
         ended, why, _, later, _ = both  # the reducer timeout's
-        assert ended >= 1.5 and "sent no averages in time" in why and later, (
+        assert ended >= 2.5 and "sent no averages in time" in why and later, (
             robust, ended, why, later)  # fmt: skip
 
 
