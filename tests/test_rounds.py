@@ -144,10 +144,14 @@ def test_a_round_without_a_group_changes_nothing_and_local_steps_never_wait(tmp_
         lone.close()
 
 
-def test_a_peer_stalled_mid_round_never_holds_up_the_others_steps(pair):
+def test_a_peer_stalled_mid_round_never_holds_up_the_others_steps(pair, caplog):
+    import logging
     import os
     import signal
 
+    from atomtrain.peer.guarded import NO_ONE
+
+    caplog.set_level(logging.INFO, logger="atomtrain.peer.runtime")
     a, b = pair
     start_round = max(a.peer.round, b.peer.round)
     steps_until([a, b], lambda: min(a.peer.round, b.peer.round) >= start_round + 1)
@@ -163,12 +167,16 @@ def test_a_peer_stalled_mid_round_never_holds_up_the_others_steps(pair):
         steps_while_stalled = len(a.after_step_s)
     finally:
         os.kill(frozen, signal.SIGCONT)
+    left_out = b.peer.peer_id in a.peer.averager.left_out_ids  # (named if b froze mid-round)
     assert a.peer.round <= rounds + 1  # the stalled round did not land (at most one in flight)
     assert steps_while_stalled >= 5  # a kept training through the stall
     assert max(a.after_step_s) < 1.0, max(a.after_step_s)
     # and once b is back, they average together again
     target = a.peer.round + 1
     steps_until([a, b], lambda: a.peer.round >= target and b.peer.round >= target, 90)
+    # while a left b out, its only other member, each of its rounds ended at once rather than
+    # look for a group until its timeout (15 s each): the rounds b is left out of passed
+    assert (NO_ONE in caplog.text) == left_out, (left_out, caplog.text[-3000:])
 
 
 def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(pair):

@@ -121,12 +121,14 @@ class ProbedAverager:
         attack: str = "",
         start_timeout_s: float = START_FLOOR_S,
         live_others: Callable[[], list[str]] = list,
+        unfinished_others: Callable[[], list[str]] = list,
         assemble_early: str = RETRIES,
     ) -> None:
         """`attack`: `forge_gather` makes this averager a leader that forges (bench attack);
         `start_timeout_s`: exact.py's floor of each member's start timeout; `live_others`: the
         peer IDs of the live others, read at each round's start (a leader that has them all in
-        a retry's group forms it at once: assembly.py; `assemble_early` ALWAYS: in every try).
+        a retry's group forms it at once: assembly.py; `assemble_early` ALWAYS: in every try);
+        `unfinished_others`: those and the live others it left out or rejected.
         """
         self.pieces = pieces
         self.timeout_s = timeout_s
@@ -148,7 +150,8 @@ class ProbedAverager:
         self._discard: Any = mp.get_context("fork").Value("b", 0)  # set by hivemind's process
         self._attempts: Any = mp.get_context("fork").Value("i", 0)  # groups this round ran with
         self._expected = ExpectedMembers(target_group_size)
-        self._live_others = live_others
+        self._unfinished = ExpectedMembers(target_group_size)
+        self._live_others, self._unfinished_others = live_others, unfinished_others
         self._stalls: list[tuple[str, str]] = []
         self._agreements: list[tuple[str, str, float]] = []
         self.rejected_ids: set[str] = set()  # peer IDs (base58) rejected, as events came
@@ -175,6 +178,7 @@ class ProbedAverager:
             start_timeout_s=start_timeout_s,
             attack=attack,
             expected=self._expected,
+            unfinished=self._unfinished,
             assemble_early=assemble_early,
             prefix=prefix,
             start=True,
@@ -248,6 +252,7 @@ class ProbedAverager:
         self._attempts.value = 0
         self._probe_in.fill_(self._probe)
         self._expected.write(self._live_others())
+        self._unfinished.write(self._unfinished_others())
         gather = {**info, "probe": self._probe, "weight": weight}
         if self.defence is not None:  # every reducer and auditor of the group uses its median
             gather["min_scale"] = self.defence.min_scale

@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator  # noqa: UP035
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.proto.averaging_pb2 import BEGIN_ALLREDUCE
@@ -85,6 +85,8 @@ IDs the gate refuses grew it without bound."""
 GRACE_S = 1.0
 """How long parts from a leader this member gave up on wait for another leader's word while a
 join request is out (_group_runner): that leader's word reaches its members at once."""
+NO_ONE = "no member to average with: every other live member is left out or banned"
+"""Why a round ends at once (`looked`): its rounds pass, and with them the exclusions."""
 AUDITS_KEPT = 8
 """Audited all-reduces a member keeps for the members that ask after it ends (each lets its
 replay go once every member asked, or some seconds after the round)."""
@@ -119,12 +121,15 @@ class GuardedAverager(DecentralizedAverager):
         start_timeout_s: float = START_FLOOR_S,
         attack: str = "",
         expected: ExpectedMembers | None = None,
+        unfinished: ExpectedMembers | None = None,
         assemble_early: str = RETRIES,
         **kwargs: Any,
     ) -> None:
         self._provider, self._gate, self._defence = provider, gate, defence
         self._expected_members, self._assemble_early = expected, assemble_early
         self._expected: list[PeerID] = []  # this round's live others (assembly.py)
+        self._unfinished_members = unfinished
+        self._unfinished: list[PeerID] = []  # and those it left out or rejected
         self._suspects = Suspects()  # whom this round's tries ended early unheard (assembly.py)
         self._traffic, self._discard, self._attempts = traffic, discard, attempts
         self._window_s, self._attack = window_s, attack
@@ -236,11 +241,13 @@ class GuardedAverager(DecentralizedAverager):
         ):
             await matchmaking.leader_assemble_group()
 
+    def _takes_in(self, peer_id: PeerID) -> bool:
+        """Neither left out nor banned: this member would average with it."""
+        return not (self._excluded(peer_id) or peer_id in self._gate.banned)
+
     def _waited_for(self, peer_id: PeerID) -> bool:
         """An expected member this leader waits for: not left out, banned, or a suspect."""
-        return not (
-            self._excluded(peer_id) or peer_id in self._gate.banned or peer_id in self._suspects
-        )
+        return self._takes_in(peer_id) and peer_id not in self._suspects
 
     def _quorum(self) -> int:
         """Members in sync this round needs (sync.quorum), counting the live others."""
@@ -433,7 +440,8 @@ class GuardedAverager(DecentralizedAverager):
         self._gave_up_on.clear()
         self._redo = None
         self._round_at = step.scheduled_time
-        self._expected = self._read_expected()
+        self._expected = read_ids(self._expected_members)
+        self._unfinished = read_ids(self._unfinished_members)
         self._suspects.next_round(self._left_out.rounds)
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
@@ -448,17 +456,6 @@ class GuardedAverager(DecentralizedAverager):
             return await super()._step(step=step, future_for_init=future_for_init)
         finally:
             self._assembled.clear()  # its groups ran, or never will
-
-    def _read_expected(self) -> list[PeerID]:
-        if self._expected_members is None:
-            return []
-        expected = []
-        for peer_id in self._expected_members.read():
-            try:
-                expected.append(PeerID.from_base58(peer_id))
-            except Exception:  # not a peer ID (no such peer can join): not waited for
-                continue
-        return expected
 
     def _guard_leaders(self) -> None:
         """hivemind picks leaders from the DHT with no hook to refuse one: wrap the request so a
@@ -514,6 +511,12 @@ class GuardedAverager(DecentralizedAverager):
                 ended_over = ", ".join(sorted(p.to_base58()[-8:] for p in self._ended_over))
                 log.info("trying the lost group again at once without %s", ended_over)
                 return again
+            if self._unfinished and not any(map(self._takes_in, self._unfinished)):
+                # the round ends at its trigger, not at its timeout, so the rounds a member is
+                # left out of pass at this peer's pace (a pair, one member frozen for a while)
+                await step.wait_for_trigger()
+                step.set_exception(AllreduceException(NO_ONE))
+                return None
             # each try: no group the quorum would refuse where the members it waits for make it
             # up; a round prepared for a slot (H auto) keeps hivemind's rule (not measured)
             least = least_group(self.peer_id, self._expected, self._waited_for, self._quorum())
@@ -755,6 +758,18 @@ def _number(x: Any) -> float:
         return float(x)
     except (TypeError, ValueError):
         return float("nan")
+
+
+def read_ids(members: ExpectedMembers | None) -> list[PeerID]:
+    """The peer IDs a list the runtime wrote names (an entry that is none: no such peer can
+    join, so none is waited for)."""
+    ids = []
+    for peer_id in members.read() if members is not None else []:
+        try:
+            ids.append(PeerID.from_base58(peer_id))
+        except Exception:
+            continue
+    return ids
 
 
 def keep_latest(entries: dict[Any, Any], most: int) -> None:

@@ -338,7 +338,13 @@ class Presence:
         leaves out whom it excludes or banned)."""
         av = self.peer.averager
         gone = (av.rejected_ids | av.left_out_ids) if av is not None else set()
-        return [s.peer_id for s in self.known_others if not s.done and s.peer_id not in gone]
+        return [p for p in self.unfinished_other_ids() if p not in gone]
+
+    def unfinished_other_ids(self) -> list[str]:
+        """The peer IDs of the live others not past their last round, those this peer left
+        out or rejected among them: where the averager refuses every one, its round ends at
+        once (guarded.py, NO_ONE)."""
+        return [s.peer_id for s in self.known_others if not s.done]
 
     def statuses_of_others(self, wait_s: float) -> list[PeerStatus]:
         assert self.peer.dht is not None

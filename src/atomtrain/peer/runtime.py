@@ -222,6 +222,7 @@ class PeerRuntime:
             attack=self.cfg.attack,
             start_timeout_s=self.cfg.start_timeout_s,
             live_others=self.presence.live_other_ids,
+            unfinished_others=self.presence.unfinished_other_ids,
         )
         self.checker = StateCheck(self)
         if resumed is not None:
