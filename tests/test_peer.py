@@ -291,6 +291,9 @@ def test_machines_started_as_the_readme_says_each_do_their_own_work(tmp_path: Pa
 
     common = [*SMALL, "--train.steps=150", "--peer.sync_every=10", "--quiet", "--no-sample"]
     common.append("--train.ema=0.9")  # with weight averages: the last round takes them in
+    # a round still looking for its group as the other peer finishes runs to this timeout
+    # (finish.py), 30 s by default: rounds here take 3 s
+    common.append("--peer.averaging_timeout_s=10")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     machines = [tmp_path / "m1", tmp_path / "m2"]
     procs, logs = [], []
