@@ -4,6 +4,7 @@ and averager processes), trained by hand so every outcome is deterministic to ch
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from pathlib import Path
@@ -144,39 +145,58 @@ def test_a_round_without_a_group_changes_nothing_and_local_steps_never_wait(tmp_
         lone.close()
 
 
-def test_a_peer_stalled_mid_round_never_holds_up_the_others_steps(pair, caplog):
-    import logging
+def test_a_peer_stalled_mid_round_never_holds_up_the_others_steps(pair):
     import os
     import signal
 
     from atomtrain.peer.guarded import NO_ONE
 
-    caplog.set_level(logging.INFO, logger="atomtrain.peer.runtime")
     a, b = pair
-    start_round = max(a.peer.round, b.peer.round)
-    steps_until([a, b], lambda: min(a.peer.round, b.peer.round) >= start_round + 1)
-    # freeze b's averager while a round runs: a's round waits on it, a's training must not
-    steps_until([a, b], lambda: a.peer.averager.running and b.peer.averager.running)
-    frozen = b.peer.averager.averager.pid
-    os.kill(frozen, signal.SIGSTOP)
+    lost: list[tuple[int, str]] = []  # a's lost rounds: (its step, why)
+    lose = a.peer._lose_round
+    a.peer._lose_round = lambda why, record: (lost.append((a.state.step, why)), lose(why, record))
+    left_out = False  # a left b out (it names b a staller if b froze mid-round, not in matchmaking)
+
+    def watching(done):
+        def check() -> bool:
+            nonlocal left_out
+            left_out |= b.peer.peer_id in a.peer.averager.left_out_ids
+            return done()
+
+        return check
+
     try:
-        a.after_step_s.clear()
-        failed, rounds = a.peer.failed_rounds, a.peer.round
-        start = time.time()
-        steps_until([a], lambda: a.peer.failed_rounds > failed or time.time() > start + 20)
-        steps_while_stalled = len(a.after_step_s)
+        start_round = max(a.peer.round, b.peer.round)
+        steps_until([a, b], lambda: min(a.peer.round, b.peer.round) >= start_round + 1)
+        # freeze b's averager while a round runs: a's round waits on it, a's training must not
+        steps_until([a, b], lambda: a.peer.averager.running and b.peer.averager.running)
+        frozen = b.peer.averager.averager.pid
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            a.after_step_s.clear()
+            failed, rounds = a.peer.failed_rounds, a.peer.round
+            start = time.time()
+            stalled = watching(lambda: a.peer.failed_rounds > failed or time.time() > start + 20)
+            steps_until([a], stalled)
+            steps_while_stalled = len(a.after_step_s)
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        assert a.peer.round <= rounds + 1  # the stalled round did not land (one in flight)
+        assert steps_while_stalled >= 5  # a kept training through the stall
+        assert max(a.after_step_s) < 1.0, max(a.after_step_s)
+        # and once b is back, they average together again
+        target = a.peer.round + 1
+        back = watching(lambda: a.peer.round >= target and b.peer.round >= target)
+        steps_until([a, b], back, 90)
     finally:
-        os.kill(frozen, signal.SIGCONT)
-    left_out = b.peer.peer_id in a.peer.averager.left_out_ids  # (named if b froze mid-round)
-    assert a.peer.round <= rounds + 1  # the stalled round did not land (at most one in flight)
-    assert steps_while_stalled >= 5  # a kept training through the stall
-    assert max(a.after_step_s) < 1.0, max(a.after_step_s)
-    # and once b is back, they average together again
-    target = a.peer.round + 1
-    steps_until([a, b], lambda: a.peer.round >= target and b.peer.round >= target, 90)
-    # while a left b out, its only other member, each of its rounds ended at once rather than
-    # look for a group until its timeout (15 s each): the rounds b is left out of passed
-    assert (NO_ONE in caplog.text) == left_out, (left_out, caplog.text[-3000:])
+        del a.peer._lose_round
+    # while a left b out, its only other member, its rounds ended at once, H steps apart,
+    # rather than look for a group until their timeout (15 s each): b's exclusion passed in
+    # a's rounds, and no faster
+    idle = [step for step, why in lost if NO_ONE in why]
+    assert bool(idle) == left_out, (left_out, lost)
+    sync_every = a.peer.clock.sync_every
+    assert all(y - x >= sync_every for x, y in itertools.pairwise(idle)), lost
 
 
 def test_a_drifted_peer_resynchronizes_without_a_restart_and_keeps_its_progress(pair):

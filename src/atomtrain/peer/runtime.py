@@ -46,6 +46,7 @@ from atomtrain.peer.bounds import Defence
 from atomtrain.peer.clock import RoundClock, next_slot
 from atomtrain.peer.figures import note_rejections, record_landed
 from atomtrain.peer.finish import Finisher
+from atomtrain.peer.guarded import NO_ONE
 from atomtrain.peer.hygiene import start_watchdog
 from atomtrain.peer.layout import Sketcher, cut_pieces, digest, flatten
 from atomtrain.peer.outer import OuterNesterov
@@ -143,6 +144,7 @@ class PeerRuntime:
         self.failed_rounds = 0
         self.round_tokens = 0
         self.steps_since_round = 0
+        self._idle_steps = 0  # after a round with nobody to average with: steps before the next
         self._round_started = 0.0
         self.last_round_s = 0.0
         self.last_round_bytes = 0.0
@@ -262,6 +264,7 @@ class PeerRuntime:
         self.clock.step_ended()
         self.train_state = state
         self.steps_since_round += 1
+        self._idle_steps = max(self._idle_steps - 1, 0)
         self.round_tokens += int(record.get("tokens_step", 0))
         self._last_loss = float(record["loss"])
         self._tokens_per_s = float(record.get("tokens_per_s", 0.0))
@@ -290,8 +293,8 @@ class PeerRuntime:
     def _may_start_round(self) -> bool:
         if self.averager is None or self.averager.running or self.resync.pending is not None:
             return False
-        if self.cfg.fixed_sync_every:
-            return self.steps_since_round >= self.clock.sync_every
+        if self.cfg.fixed_sync_every:  # (a failed round's progress goes with one at once)
+            return self.steps_since_round >= self.clock.sync_every and not self._idle_steps
         return self.steps_since_round >= 1 and self.clock.slot_due()
 
     def _contribution(self, stats: Contribution) -> Any:
@@ -429,6 +432,9 @@ class PeerRuntime:
         record["round_attempts"] = self.averager.attempts if self.averager is not None else 0
         self.failed_rounds += 1
         self.outcomes.append(False)
+        if NO_ONE in why:  # the next round in H steps, as if this one landed: the rounds a
+            # member is left out of are this peer's rounds, not its steps
+            self._idle_steps = self.clock.sync_every
         self._shift(0.0)
         log.info("round %d: %s; its progress goes with the next round", self.round, why)
 
