@@ -761,8 +761,8 @@ def _number(x: Any) -> float:
 
 
 def read_ids(members: ExpectedMembers | None) -> list[PeerID]:
-    """The peer IDs a list the runtime wrote names (an entry that is none: no such peer can
-    join, so none is waited for)."""
+    """The peer IDs in a list the runtime wrote (an entry that is no peer ID is skipped: no
+    such peer can join, so none is waited for)."""
     ids = []
     for peer_id in members.read() if members is not None else []:
         try:

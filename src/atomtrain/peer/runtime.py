@@ -432,7 +432,7 @@ class PeerRuntime:
         record["round_attempts"] = self.averager.attempts if self.averager is not None else 0
         self.failed_rounds += 1
         self.outcomes.append(False)
-        if NO_ONE in why:  # the next round in H steps, as if this one landed: the rounds a
+        if why.endswith(NO_ONE):  # the next round in H steps, as if this one landed: the rounds a
             # member is left out of are this peer's rounds, not its steps
             self._idle_steps = self.clock.sync_every
         self._shift(0.0)
