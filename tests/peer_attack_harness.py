@@ -26,7 +26,8 @@ nothing either (stall_leader_patches). With `withhold`, peer 2 sends its parts a
 does, and its averager then answers no stream of parts, nor any later ask, for its span: it sends
 no averages (withheld_span_patches). With `late_joiner`, peer 2 is honest, and every peer knows
 the others are live (as a peer's presence tells it): peer 2 starts each round LATE_S after the
-others, past their matchmaking time.
+others, past their matchmaking time. With `dht_overwrite`, peer 2 sends and reduces honestly, and
+before the first round writes over every other member's certificate in the DHT.
 """
 
 import asyncio
@@ -44,13 +45,15 @@ from typing import AsyncIterator  # noqa: UP035 (hivemind reads stream handlers 
 import torch
 from hivemind import DHT
 from hivemind.p2p import PeerID
+from hivemind.utils.crypto import RSAPrivateKey
 
 from atomtrain.peer import audit, guarded
-from atomtrain.peer.attack import claimed_tokens, poison
-from atomtrain.peer.auth import MemberGate, SwarmAuthorizer, SwarmKey, declare_member
+from atomtrain.peer.attack import claimed_tokens, overwrite_records, poison
+from atomtrain.peer.auth import MemberGate, Membership, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
 from atomtrain.peer.bounds import Defence
 from atomtrain.peer.layout import cut_pieces
+from atomtrain.peer.records import own_subkey, swarm_validators
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_round_harness import START_TIMEOUT_S, averaged_round, live_others
@@ -257,6 +260,7 @@ def main() -> None:
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         start=True,
         authorizer=SwarmAuthorizer(KEY),
+        record_validators=swarm_validators("atk", RSAPrivateKey.process_wide()),
         # peer 2's DHT process (whatever peer 2 plays) often fails to read a last request from
         # its averager, gone by then, and misses the word to shut down: it was terminated after
         # hivemind's 3 s grace while the test waited; now after half a second
@@ -344,6 +348,15 @@ def main() -> None:
         # does each process here, before each round (a round after 30 s found no certificate)
         declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
         barrier(work, f"round{r}_", index)
+        if attack == "dht_overwrite" and r == 0:  # before the first round: every record over
+            if index == ATTACKER:
+                own = Membership.of_owner(KEY, dht.peer_id.to_base58())
+                cert = own.certificate(dht.peer_id.to_base58())
+                overwrite_records(dht, "atk", cert.to_text(), own_subkey(own.private_key))
+                time.sleep(1.0)  # (the stores go out in the DHT's process)
+                (work / "forged").touch()
+            while not (work / "forged").exists():
+                time.sleep(0.05)
         if attack in ("forge_gather", "stall_leader") and index < ATTACKER:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead
         if attack == "banned_by_0" and index != 1:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from hivemind import DHT
+from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
@@ -28,6 +31,7 @@ from atomtrain.peer.auth import (
     revoked_key,
 )
 from atomtrain.peer.certs import issue, read_identity, revoke, write_new_identity
+from atomtrain.peer.forgers import read_forgers
 from atomtrain.peer.records import own_subkey
 from atomtrain.peer.state import download_sources, resync_floor
 from atomtrain.peer.status import PeerStatus, publish, read_statuses, status_key
@@ -313,6 +317,105 @@ def test_no_member_writes_or_forges_another_members_records(tmp_path: Path):
     finally:
         mallory.shutdown()
         victim.shutdown()
+
+
+async def _find_at(_dht, node, peer: str, key: str):
+    """The raw answer of the DHT node `peer` to a find of `key` (None: refused or none)."""
+    key_id = DHTID.generate(source=key)
+    found = await node.protocol.call_find(PeerID.from_base58(peer), [key_id])
+    return None if found is None else found[key_id][0]
+
+
+async def _pass_on(_dht, node, source: str, to: str, key: str) -> bool:
+    """What hivemind does with a record it found (DHTNode.cache_nearest): store it, as signed
+    by its owner, on another node."""
+    key_id = DHTID.generate(source=key)
+    found = await node.protocol.call_find(PeerID.from_base58(source), [key_id])
+    value = found[key_id][0]
+    sent = await node.protocol.call_store(
+        PeerID.from_base58(to), [key_id], [value.value], [value.expiration_time], in_cache=True
+    )
+    return sent is not None  # answered: its gate let the request through
+
+
+async def _plant(_dht, node, key: str, subkey: bytes, value: object, expiration: float) -> None:
+    """A record put straight into this node's storage, signed by no one (what a node that made
+    it up would answer finds with)."""
+    node.protocol.storage.store_subkey(
+        DHTID.generate(source=key), subkey, MSGPackSerializer.dumps(value), expiration
+    )
+
+
+def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp_path: Path):
+    """Issue 12, item 4: a member that writes over another's DHT record is refused by every node
+    (the signed records), but went on as before. Now the nodes it sent the forged record to name
+    it: their DHT gate refuses it from then on, and their averager's gate bans its member (read at
+    each round, guarded._ban_forgers). An honest node passing on another's signed record (as
+    hivemind caches what it found) and a record of the wrong shape under its sender's own subkey
+    name no one."""
+    key = SwarmKey(secrets.token_bytes(32))
+    host_m = Membership.of_owner(key, "host", RSAPrivateKey())
+    carol_m, carol_id = admit(key, tmp_path, "carol")
+    mallory_m, mallory_id = admit(key, tmp_path, "mallory")
+    host = start_dht(host_m, [])
+    addrs = [str(a) for a in host.get_visible_maddrs()]
+    carol = start_dht(carol_m, addrs, carol_id)
+    mallory = start_dht(mallory_m, addrs, mallory_id)
+    dhts = {"host": host, "carol": carol, "mallory": mallory}
+    try:
+        for dht, m in ((host, host_m), (carol, carol_m), (mallory, mallory_m)):
+            declare_member(dht, SWARM, m, dht.peer_id, wait=True)
+        hid = host.peer_id.to_base58()
+        assert publish(host, SWARM, own_subkey(host_m.private_key), status("host", hid, 5)).result()
+        ids = {name: dht.peer_id.to_base58() for name, dht in dhts.items()}
+        # honest: carol passes the host's signed records on to mallory and back to the host, and
+        # stores a record of the wrong shape under its own subkey
+        for to in ("mallory", "host"):
+            assert carol.run_coroutine(
+                partial(_pass_on, source=hid, to=ids[to], key=status_key(SWARM))
+            )
+        later = get_dht_time() + 600
+        assert not carol.store(status_key(SWARM), "junk", later, own_subkey(carol_m.private_key))
+        for dht in dhts.values():
+            assert read_forgers(dht).result() == {}
+        forged = {**status("host", hid, 10**6).__dict__, "done": True, "addrs": [], "rejected": []}
+        # mallory answers finds with a status of the host's it made up: carol, asking it, names it
+        host_subkey = own_subkey(host_m.private_key)
+        mallory.run_coroutine(
+            partial(
+                _plant, key=status_key(SWARM), subkey=host_subkey, value=forged, expiration=later
+            )
+        )
+        assert (
+            carol.run_coroutine(partial(_find_at, peer=ids["mallory"], key=status_key(SWARM)))
+            is None
+        )
+        assert list(read_forgers(carol).result()) == [mallory_m.public_key]
+        assert read_forgers(host).result() == {}
+        # mallory writes over the host's status: a later expiry, the round moved
+        found = mallory.get(status_key(SWARM), latest=True)
+        for subkey in found.value:
+            mallory.store(status_key(SWARM), forged, later, subkey)
+        # every node it sent the record to named it, by the certificate it signs requests with
+        for dht in (host, carol):
+            named = read_forgers(dht).result()
+            assert list(named) == [mallory_m.public_key], named
+            member, why = named[mallory_m.public_key]
+            assert member == "mallory" and "could not have signed" in why
+        assert read_forgers(mallory).result() == {}
+        # the host's DHT node answers carol, no longer mallory
+        assert carol.run_coroutine(partial(_find_at, peer=hid, key=status_key(SWARM)))
+        assert mallory.run_coroutine(partial(_find_at, peer=hid, key=status_key(SWARM))) is None
+        # the averager's gate finds its peer ID by that key (and bans it: the harness's test in
+        # test_security)
+        gate = MemberGate(host_m, SWARM)
+        found = asyncio.run(gate.peers_of(AwaitableDHT(host), mallory_m.public_key))
+        assert found == [PeerID.from_base58(ids["mallory"])]
+        # and the host's record stands
+        assert [(s.name, s.round) for s in read_statuses(host, SWARM, key.owner())] == [("host", 5)]
+    finally:
+        for dht in dhts.values():
+            dht.shutdown()
 
 
 def test_a_joiner_ranks_sources_by_rounds_capped_at_the_swarms():

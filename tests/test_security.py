@@ -17,6 +17,7 @@ import torch
 from hivemind import DHT
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from atomtrain.errors import AtomError
@@ -56,6 +57,7 @@ from atomtrain.peer.exclusion import (
 from atomtrain.peer.guarded import GRACE_S, OPENED_KEPT, GuardedAverager
 from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.protocol import averaging_prefix, protocol_tag
+from atomtrain.peer.records import swarm_validators
 from atomtrain.peer.traffic import Traffic
 
 from .peer_attack_harness import honest_mean
@@ -71,6 +73,7 @@ def keyed_peer(key: SwarmKey | None) -> tuple[DHT, ProbedAverager]:
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         start=True,
         authorizer=SwarmAuthorizer(key) if key else None,
+        record_validators=swarm_validators(SWARM, RSAPrivateKey.process_wide()),
     )
     declare_member(dht, SWARM, key, dht.peer_id, wait=True)
     state = ({"round": 7}, [torch.ones(NUMEL), torch.zeros(NUMEL)])
@@ -168,7 +171,12 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
             "state_messages": 0,
         }
         # the same calls from a key holder get through (so the refusals above are the gates')
-        member = DHT(initial_peers=addr, start=True, authorizer=SwarmAuthorizer(key))
+        member = DHT(
+            initial_peers=addr,
+            start=True,
+            authorizer=SwarmAuthorizer(key),
+            record_validators=swarm_validators(SWARM, RSAPrivateKey.process_wide()),
+        )
         try:
             declare_member(member, SWARM, key, member.peer_id, wait=True)
             roster = read_roster(member, SWARM, key.owner())
@@ -1004,6 +1012,22 @@ def test_a_leader_that_forges_a_members_metadata_loses_its_round_and_is_named(tm
             assert torch.allclose(r["delta"], honest_mean(), atol=1e-6)
 
 
+def test_a_member_that_writes_over_others_dht_records_is_banned_before_its_first_round(
+    tmp_path: Path,
+):
+    """Peer 2 sends and reduces honestly, and before the first round writes over the honest
+    peers' certificates in the DHT (bench attack's dht_overwrite). Their DHT nodes refuse the
+    records and name it (forgers.py); their averagers read the name as the first round begins
+    and ban it, so no round of theirs takes it in, and every round lands between the two."""
+    outs = run_round(tmp_path, "dht_overwrite", defend=True)
+    for out in outs.values():
+        assert len(out["rejected"]) == 1, out["rejected"]
+        assert "could not have signed" in out["rejected"][0][1]
+        assert out["rounds"] and not any(r["failed"] for r in out["rounds"]), out["rounds"]
+        for r in out["rounds"]:
+            assert r["group"] == 2 and torch.allclose(r["delta"], honest_mean(), atol=1e-6)
+
+
 def no_group(rnd: dict) -> bool:
     """A round that failed before any group formed: nothing was sent or received in it."""
     return rnd["failed"] and "could not find a group" in rnd["why"]
@@ -1209,9 +1233,7 @@ def test_a_joiner_refuses_a_poisoned_state_and_keeps_its_parameters(tmp_path: Pa
     numel = sum(p.numel() for p in runner.host_parameters().values())
     key_file = tmp_path / "swarm.key"
     key = write_new_key(key_file)
-    from hivemind.utils.crypto import RSAPrivateKey
-
-    from atomtrain.peer.records import own_subkey, swarm_validators
+    from atomtrain.peer.records import own_subkey
     from atomtrain.peer.status import PeerStatus, publish
 
     g = torch.Generator().manual_seed(0)

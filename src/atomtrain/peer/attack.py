@@ -126,8 +126,8 @@ class LabelFlippedLoader:
         return getattr(self._loader, name)
 
 
-def overwrite_records(dht: Any, swarm: str, own_certificate: str) -> None:
-    """`dht_overwrite`: every status and certificate record of the swarm written over, under
+def overwrite_records(dht: Any, swarm: str, own_certificate: str, own_subkey: bytes) -> None:
+    """`dht_overwrite`: every other member's status and certificate record written over, under
     its writer's subkey with a later expiry: statuses that say their peer is far ahead and done,
     this member's certificate in place of theirs. (This peer's own DHT node signs nothing that
     is not its own; the nodes that store the records decide.)"""
@@ -153,6 +153,8 @@ def overwrite_records(dht: Any, swarm: str, own_certificate: str) -> None:
         if found is None or not isinstance(found.value, dict):
             continue
         for subkey, item in found.value.items():
+            if subkey == own_subkey:
+                continue
             dht.store(
                 key, forge(getattr(item, "value", None)), later, subkey=subkey, return_future=True
             )

@@ -23,6 +23,7 @@ open (the peer says so at start). The transport stays encrypted either way (libp
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import secrets
@@ -34,6 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
@@ -49,7 +51,10 @@ from atomtrain.peer.certs import (
     read_certificate,
     read_identity,
 )
+from atomtrain.peer.forgers import forged_in_answer, forged_in_store
 from atomtrain.peer.records import own_subkey, signer_of, swarm_validators
+
+log = logging.getLogger(__name__)
 
 KEY_ENV = "ATOM_SWARM_KEY"
 KEY_HEX_CHARS = 64
@@ -265,6 +270,11 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         self.membership = membership
         self.revoked: set[str] = set()
         """Members whose tokens are refused (runs in the DHT's process: see note_revoked)."""
+        self.forgers: dict[str, tuple[str, str]] = {}
+        """Peers that sent a record they could not have signed (forgers.py), refused too: the
+        RSA public key their certificate binds -> (its member, why). By key, not member: an
+        owner's machines may all run under one name."""
+        self._checker = RSASignatureValidator(membership.private_key)
 
     async def get_token(self) -> AccessToken:
         cert = self.membership.certificate()
@@ -281,7 +291,33 @@ class SwarmAuthorizer(TokenAuthorizerBase):
             and cert.valid(self.membership.owner)
             and cert.public_key.encode() == bytes(access_token.public_key)
             and cert.member not in self.revoked
+            and cert.public_key not in self.forgers
         )
+
+    async def validate_request(self, request: Any) -> bool:
+        if not await super().validate_request(request):
+            return False
+        if forged_in_store(self._checker, request):
+            self._name(request.auth.client_access_token, "asked this peer to store")
+            return False
+        return True
+
+    async def validate_response(self, response: Any, request: Any) -> bool:
+        if not await super().validate_response(response, request):
+            return False
+        if forged_in_answer(self._checker, response, request):
+            self._name(response.auth.service_access_token, "answered this peer's find with")
+            return False
+        return True
+
+    def _name(self, token: AccessToken, did: str) -> None:
+        """The sender of a forged record (its token was checked: it signed the message)."""
+        cert = Certificate.from_text(token.username)
+        if cert is None or cert.public_key in self.forgers:
+            return
+        why = f"{did} a DHT record it could not have signed (another member's, or made up)"
+        self.forgers[cert.public_key] = (cert.member, why)
+        log.warning("member %s %s: refused from now on", cert.member, why)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         cert = Certificate.from_text(access_token.username)
@@ -409,6 +445,16 @@ class MemberGate:
         verified = self._verified.get(peer_id)
         if verified is not None:
             self.banned_members.add(verified[1])
+
+    async def peers_of(self, dht: Any, public_key: str) -> list[PeerID]:
+        """The peer IDs whose certificates bind `public_key`: from the checks made, and the
+        roster."""
+        found = [p for p, (_, _, key) in self._verified.items() if key == public_key]
+        roster = await self._read_roster(dht, time.monotonic())
+        cert = roster.by_signer.get(public_key) if roster is not None else None
+        if cert is not None and cert.peer_id:
+            found.append(PeerID.from_base58(cert.peer_id))
+        return list(dict.fromkeys(found))
 
     async def allows(self, dht: Any, peer_id: PeerID) -> bool:
         if peer_id in self.banned:

@@ -62,6 +62,7 @@ from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_
 from atomtrain.peer.download import download_from
 from atomtrain.peer.exact import START_FLOOR_S, ExactAverageRunner, start_timeouts
 from atomtrain.peer.exclusion import LeftOut
+from atomtrain.peer.forgers import FORGERS_READ_S, read_forgers
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import round_layout
 from atomtrain.peer.redo import is_redo, redo, redoes
@@ -158,6 +159,8 @@ class GuardedAverager(DecentralizedAverager):
         self._running: bytes | None = None  # the group this member runs now (its ID)
         self._ended_over: set[PeerID] = set()  # whom its last try ended early over (exact.py)
         self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
+        self._forgers: asyncio.Future | None = None  # this round's read of them (forgers.py)
+        self._forgers_banned: set[str] = set()  # their public keys, once their peers were found
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -443,6 +446,8 @@ class GuardedAverager(DecentralizedAverager):
         self._expected = read_ids(self._expected_members)
         self._unfinished = read_ids(self._unfinished_members)
         self._suspects.next_round(self._left_out.rounds)
+        if self._gate.owner is not None and (self._forgers is None or self._forgers.done()):
+            self._forgers = asyncio.ensure_future(self._ban_forgers())
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
                 self._gate.signing_key,
@@ -456,6 +461,20 @@ class GuardedAverager(DecentralizedAverager):
             return await super()._step(step=step, future_for_init=future_for_init)
         finally:
             self._assembled.clear()  # its groups ran, or never will
+
+    async def _ban_forgers(self) -> None:
+        """Ban the members this peer's DHT node caught sending records they could not have
+        signed (forgers.py), in the background of a round's matchmaking."""
+        try:
+            named = await asyncio.wait_for(read_forgers(self.dht), FORGERS_READ_S)
+            for public_key, (_, why) in named.items():
+                if public_key in self._forgers_banned:
+                    continue
+                for peer_id in await self._gate.peers_of(self.dht, public_key):
+                    self._reject(peer_id, why)  # (its member too, as any ban: MemberGate.ban)
+                    self._forgers_banned.add(public_key)
+        except Exception as e:  # (the DHT's process busy or gone: the next round reads again)
+            log.debug("could not read the members the DHT named: %r", e)
 
     def _guard_leaders(self) -> None:
         """hivemind picks leaders from the DHT with no hook to refuse one: wrap the request so a

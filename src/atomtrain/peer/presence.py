@@ -270,7 +270,8 @@ class Presence:
             for future in futures:
                 future.add_done_callback(self._declared)
         if peer.cfg.attack == "dht_overwrite":  # bench attack only
-            overwrite_records(peer.dht, peer.cfg.swarm, peer.membership.certificate().to_text())
+            cert = peer.membership.certificate(self.declared_id().to_base58())
+            overwrite_records(peer.dht, peer.cfg.swarm, cert.to_text(), self.subkey)
 
     def _declared(self, future: Any) -> None:
         """A store of the certificate (or revocation list) ended: if it failed, the next status

@@ -1,0 +1,101 @@
+"""Members caught sending DHT records they could not have signed, named and banned.
+
+Every record of a keyed swarm lives under a subkey that names its writer's RSA key
+(records.py), and every DHT node refuses a record under such a subkey that this key did not sign.
+That keeps a member from writing over another's certificate or status, but on its own it costs
+the writer nothing: it goes on training and averaging while its writes are refused.
+
+No honest node ever sends such a record. A node signs only what it writes under its own subkey,
+stores only what passed the same check, and passes on (hivemind caches a record it found on the
+nodes nearest its key) only what it stored or found checked. So a record whose signature does not
+verify, in a store request or in an answer to a find, proves that its sender forged it or made
+it up, and every DHT request and answer of a keyed swarm is signed by its sender under its
+certificate (auth.py): the sender is known. The DHT's gate (auth.SwarmAuthorizer, in the DHT's
+process) then refuses that member from then on, and the averager's gate (guarded.py) reads the
+names at each round and bans the member there too: a ban that follows its certificate, reported
+like any other rejection.
+
+Only signatures count: a record of the wrong shape under the sender's own subkey (a peer of
+another version, say) is refused by the schema check, but names no one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
+from hivemind.proto import dht_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+
+log = logging.getLogger(__name__)
+
+FORGERS_READ_S = 5.0
+"""The averager's read of the names (a call into the DHT's process) gives up after this long."""
+
+
+def _signed(checker: RSASignatureValidator, record: DHTRecord) -> bool:
+    """The record's signature is its owner's, or it names no owner (hivemind's own check: it
+    does not depend on the checking node's key)."""
+    try:
+        return checker.validate(record)
+    except Exception:  # a subkey that is not a public key, a signature that is not base64...
+        return False
+
+
+def _dictionary_forged(checker: RSASignatureValidator, key: bytes, value: bytes) -> bool:
+    try:
+        dictionary = MSGPackSerializer.loads(value)
+    except Exception:
+        return True  # made up: not a dictionary
+    if not isinstance(dictionary, DictionaryDHTValue):
+        return True
+    with dictionary.freeze():
+        for subkey, (item, expiration) in dictionary.items():
+            record = DHTRecord(key, MSGPackSerializer.dumps(subkey), item, expiration)
+            if not _signed(checker, record):
+                return True
+    return False
+
+
+def forged_in_store(checker: RSASignatureValidator, request: Any) -> bool:
+    """A store request carries a record its owner did not sign."""
+    if not isinstance(request, dht_pb2.StoreRequest):
+        return False
+    for key, tag, value, expiration in zip(
+        request.keys, request.subkeys, request.values, request.expiration_time, strict=False
+    ):  # (hivemind refuses a request whose lists differ in length)
+        if tag == DHTProtocol.IS_DICTIONARY:
+            if _dictionary_forged(checker, key, value):
+                return True
+        elif not _signed(checker, DHTRecord(key, tag, value, expiration)):
+            return True
+    return False
+
+
+def forged_in_answer(checker: RSASignatureValidator, response: Any, request: Any) -> bool:
+    """An answer to a find carries a record its owner did not sign."""
+    if not isinstance(response, dht_pb2.FindResponse):
+        return False
+    for key, result in zip(request.keys, response.results, strict=False):
+        if result.type == dht_pb2.FOUND_DICTIONARY:
+            if _dictionary_forged(checker, key, result.value):
+                return True
+        elif result.type == dht_pb2.FOUND_REGULAR and not _signed(
+            checker,
+            DHTRecord(key, DHTProtocol.IS_REGULAR_VALUE, result.value, result.expiration_time),
+        ):
+            return True
+    return False
+
+
+async def _named(_dht: Any, node: Any) -> dict[str, tuple[str, str]]:
+    return dict(getattr(node.protocol.authorizer, "forgers", {}))
+
+
+def read_forgers(dht: Any) -> Any:
+    """A future of the peers the DHT's gate named: their public key -> (member, why)."""
+    return dht.run_coroutine(_named, return_future=True)
