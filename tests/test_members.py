@@ -31,6 +31,7 @@ from atomtrain.peer.auth import (
     revoked_key,
 )
 from atomtrain.peer.certs import issue, read_identity, revoke, write_new_identity
+from atomtrain.peer.figures import note_rejections
 from atomtrain.peer.forgers import read_forgers
 from atomtrain.peer.records import own_subkey
 from atomtrain.peer.state import download_sources, resync_floor
@@ -265,6 +266,45 @@ def test_an_expired_check_is_renewed_off_the_path_and_a_revocation_still_lands(
         host.shutdown()
 
 
+def test_a_rounds_members_checked_as_it_begins_need_no_dht_read_once_its_group_forms(
+    tmp_path: Path,
+):
+    """guarded checks the round's live members as the round begins (MemberGate.warm): the
+    checks of the group's metadata, made once the group has formed, answer from what that read
+    found, even where the DHT's reads now hang (a member frozen in the group holds them: the
+    first round of bench attack's stall, with a cold cache, lost 7-9 s). A caller no certificate
+    names is refused as before; open swarms check nothing."""
+    key = SwarmKey(secrets.token_bytes(32))
+    owner = Membership.of_owner(key, "owner", RSAPrivateKey())
+    alice, alice_id = admit(key, tmp_path, "alice")
+    bob, bob_id = admit(key, tmp_path, "bob")
+    sybil = PeerID.from_base58(write_new_identity(tmp_path / "sybil.id").peer_id)
+    host = start_dht(owner, [])
+    addrs = [str(a) for a in host.get_visible_maddrs()]
+    others = [start_dht(alice, addrs, alice_id), start_dht(bob, addrs, bob_id)]
+    try:
+        for dht, m in zip(others, (alice, bob), strict=True):
+            declare_member(dht, SWARM, m, dht.peer_id, wait=True)
+        peers = [dht.peer_id for dht in others]
+        counted, gate = CountedDHT(host), MemberGate(owner, SWARM)
+
+        async def scenario() -> None:
+            await gate.warm(counted, [*peers, sybil])
+            assert counted.gets == 2  # one read of the roster for all three
+            frozen = FrozenDHT(host)
+            keys = [await asyncio.wait_for(gate.public_key(frozen, p), 0.5) for p in peers]
+            assert keys == [alice.public_key, bob.public_key]
+            assert not await gate.allows(counted, sybil)
+            await MemberGate(None, SWARM).warm(counted, peers)  # open: nothing to check
+            assert counted.gets <= 4
+
+        asyncio.run(scenario())
+    finally:
+        for dht in others:
+            dht.shutdown()
+        host.shutdown()
+
+
 def status(name: str, peer_id: str, round_: int) -> PeerStatus:
     return PeerStatus(name, round_, 10 * round_, 2.0, 100.0, 0.0, peer_id=peer_id, updated=1.0)
 
@@ -416,6 +456,25 @@ def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp
     finally:
         for dht in dhts.values():
             dht.shutdown()
+
+
+def test_a_peer_banned_before_any_round_with_it_is_reported_by_the_name_its_status_gives():
+    """A member banned before any round with it (a forger, at its first store) has told no
+    group its name: the step's record names it as its signed status does, not by peer ID (bench
+    attack matches the attacker by name)."""
+    averager = SimpleNamespace(
+        rejections=lambda: [("QmForger", "sent a forged record"), ("QmGone", "forged metadata")],
+        stalls=lambda: [("QmSlow", "sent none of its parts")],
+        agreements=lambda: [],
+    )
+    known = [status("mallory", "QmForger", 3), status("bob", "QmSlow", 3)]
+    peer = SimpleNamespace(
+        averager=averager, rejected={}, presence=SimpleNamespace(known_others=known)
+    )
+    record: dict = {}
+    note_rejections(peer, record)
+    assert record["rejected_peers"] == ["QmGone", "mallory"]  # (no status: its peer ID)
+    assert record["stalled_peers"] == ["bob"]
 
 
 def test_a_joiner_ranks_sources_by_rounds_capped_at_the_swarms():

@@ -61,13 +61,18 @@ def note_rejections(peer: PeerRuntime, record: dict[str, Any]) -> None:
     averager = peer.averager
     if averager is None:
         return
-    for other, why in averager.rejections():  # names from rounds' metadata, no DHT call
+    # names from rounds' metadata, else from the live peers' signed statuses (one banned before
+    # any round with it: forgers.py), no DHT call
+    named = {s.peer_id: s.name for s in peer.presence.known_others}
+    for other, why in averager.rejections():
+        other = named.get(other, other)
         if other not in peer.rejected:
             peer.rejected[other] = why
             log.warning("rejected the contributions of %s (%s); ignoring it from now", other, why)
     if peer.rejected:
         record["rejected_peers"] = sorted(peer.rejected)
     for other, why in averager.stalls():  # excluded for a while, not banned
+        other = named.get(other, other)
         log.warning("left %s out of rounds for a while: it %s", other, why)
         record.setdefault("stalled_peers", []).append(other)
     for name, peer_id, cosine in averager.agreements():  # the opposing-update rule's

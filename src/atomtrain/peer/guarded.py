@@ -161,6 +161,7 @@ class GuardedAverager(DecentralizedAverager):
         self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
         self._forgers: asyncio.Future | None = None  # this round's read of them (forgers.py)
         self._forgers_banned: set[str] = set()  # their public keys, once their peers were found
+        self._warming: asyncio.Future | None = None  # this round's checks of its live members
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -448,6 +449,8 @@ class GuardedAverager(DecentralizedAverager):
         self._suspects.next_round(self._left_out.rounds)
         if self._gate.owner is not None and (self._forgers is None or self._forgers.done()):
             self._forgers = asyncio.ensure_future(self._ban_forgers())
+        if self._warming is None or self._warming.done():  # (keyed swarms: auth.MemberGate.warm)
+            self._warming = asyncio.ensure_future(self._gate.warm(self.dht, self._expected))
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
                 self._gate.signing_key,
