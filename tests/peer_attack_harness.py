@@ -52,6 +52,7 @@ from atomtrain.peer.attack import claimed_tokens, overwrite_records, poison
 from atomtrain.peer.auth import MemberGate, Membership, SwarmAuthorizer, SwarmKey, declare_member
 from atomtrain.peer.averaging import ProbedAverager, RoundFailed
 from atomtrain.peer.bounds import Defence
+from atomtrain.peer.forgers import read_forgers
 from atomtrain.peer.layout import cut_pieces
 from atomtrain.peer.records import own_subkey, swarm_validators
 
@@ -356,6 +357,12 @@ def main() -> None:
                 time.sleep(1.0)  # (the stores go out in the DHT's process)
                 (work / "forged").touch()
             while not (work / "forged").exists():
+                time.sleep(0.05)
+            # until this peer's DHT node has named it (its averager reads the name as the
+            # round begins: not raced here against the stores going out)
+            deadline = time.monotonic() + BARRIER_S
+            while index != ATTACKER and not read_forgers(dht).result():
+                assert time.monotonic() < deadline, "the forger was never named"
                 time.sleep(0.05)
         if attack in ("forge_gather", "stall_leader") and index < ATTACKER:
             time.sleep(1.0)  # the forger's round is scheduled first: honest peers ask it to lead

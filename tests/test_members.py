@@ -13,7 +13,9 @@ from types import SimpleNamespace
 import pytest
 from hivemind import DHT
 from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.timed_storage import get_dht_time
@@ -386,6 +388,34 @@ async def _plant(_dht, node, key: str, subkey: bytes, value: object, expiration:
     )
 
 
+async def _store_encoded_otherwise(
+    _dht, node, to: str, key: str, subkey: bytes, value: object, expiration: float, how: str
+) -> bool:
+    """This node's own record (under its own `subkey`), signed by it, sent to `to` with its key
+    or subkey encoded otherwise than hivemind encodes them: the key with a leading zero byte
+    (the same DHTID), or the subkey as msgpack's bin32 (the same bytes). Whether it was stored."""
+    key_bytes = DHTID.generate(source=key).to_bytes()
+    tag = MSGPackSerializer.dumps(subkey)
+    if how == "key":
+        key_bytes = b"\0" + key_bytes
+    else:
+        tag = b"\xc6" + len(subkey).to_bytes(4, "big") + subkey
+    record = DHTRecord(key_bytes, tag, MSGPackSerializer.dumps(value), expiration)
+    request = dht_pb2.StoreRequest(
+        keys=[key_bytes],
+        subkeys=[tag],
+        values=[node.protocol.record_validator.sign_value(record)],
+        expiration_time=[expiration],
+        in_cache=[False],
+        peer=node.protocol.node_info,
+    )
+    try:
+        response = await node.protocol.get_stub(PeerID.from_base58(to)).rpc_store(request)
+    except Exception:  # refused: the gate answered nothing (hivemind's call_store logs it)
+        return False
+    return response is not None and all(response.store_ok)
+
+
 def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp_path: Path):
     """Issue 12, item 4: a member that writes over another's DHT record is refused by every node
     (the signed records), but went on as before. Now the nodes it sent the forged record to name
@@ -456,6 +486,42 @@ def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp
     finally:
         for dht in dhts.values():
             dht.shutdown()
+
+
+@pytest.mark.parametrize("how", ["key", "subkey"])
+def test_a_record_signed_over_another_encoding_names_its_sender_not_whoever_passes_it_on(
+    tmp_path: Path, how: str
+):
+    """A member's own record, signed by it over a key or subkey encoded otherwise than hivemind
+    encodes them, verifies on arrival; a node that stored it would encode it anew to pass it on
+    (a find's answer, hivemind's caching), where it no longer verifies, and that honest node
+    would be named. So such a store is refused and names its sender (forgers._canonical)."""
+    key = SwarmKey(secrets.token_bytes(32))
+    host_m = Membership.of_owner(key, "host", RSAPrivateKey())
+    mallory_m, mallory_id = admit(key, tmp_path, "mallory")
+    host = start_dht(host_m, [])
+    mallory = start_dht(mallory_m, [str(a) for a in host.get_visible_maddrs()], mallory_id)
+    try:
+        for dht, m in ((host, host_m), (mallory, mallory_m)):
+            declare_member(dht, SWARM, m, dht.peer_id, wait=True)
+        mid = mallory.peer_id.to_base58()
+        stored = mallory.run_coroutine(
+            partial(
+                _store_encoded_otherwise,
+                to=host.peer_id.to_base58(),
+                key=status_key(SWARM),
+                subkey=own_subkey(mallory_m.private_key),
+                value={**status("mallory", mid, 3).__dict__, "addrs": [], "rejected": []},
+                expiration=get_dht_time() + 60,
+                how=how,
+            )
+        )
+        assert not stored
+        assert list(read_forgers(host).result()) == [mallory_m.public_key]
+        assert [s.name for s in read_statuses(host, SWARM, key.owner())] == []
+    finally:
+        mallory.shutdown()
+        host.shutdown()
 
 
 def test_a_peer_banned_before_any_round_with_it_is_reported_by_the_name_its_status_gives():

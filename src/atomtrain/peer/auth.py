@@ -272,8 +272,8 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         """Members whose tokens are refused (runs in the DHT's process: see note_revoked)."""
         self.forgers: dict[str, tuple[str, str]] = {}
         """Peers that sent a record they could not have signed (forgers.py), refused too: the
-        RSA public key their certificate binds -> (its member, why). By key, not member: an
-        owner's machines may all run under one name."""
+        RSA public key their certificate binds -> (its member, why). Refused by key, the identity
+        that sent it (the averager's ban follows the member, as every ban: guarded.py)."""
         self._checker = RSASignatureValidator(membership.private_key)
 
     async def get_token(self) -> AccessToken:
@@ -447,12 +447,12 @@ class MemberGate:
             self.banned_members.add(verified[1])
 
     async def warm(self, dht: Any, peer_ids: list[PeerID]) -> None:
-        """Check `peer_ids` now, as a round begins (its live members): the checks of the group
-        it forms then read nothing from the DHT. Read once the group has formed, they wait for
-        every DHT node, and a member frozen in the group holds its node's answers: in bench
-        attack's stall (run Q6, seed 1), the first round, whose checks met a cold cache, lost
-        7-9 s where a round took 2.7, most of it between the group forming and the all-reduce
-        starting."""
+        """Check `peer_ids` now, as a round begins (its members, this peer too): the checks of
+        the group it forms then read nothing from the DHT. Read once the group has formed, they
+        wait for the DHT's read of the roster, which waits on every node it asks: in bench
+        attack's stall (run Q6, seed 1) the first round, whose checks met a cold cache, took
+        7-9 s where a round took 2.7, most of it between matchmaking's end and the all-reduce's
+        start (where the checks are; the cause not traced further)."""
         if self.owner is None:
             return
         asked = time.monotonic()
@@ -460,9 +460,12 @@ class MemberGate:
         if not due:
             return
         roster = await self._read_roster(dht, asked)  # one read for them all
-        if roster is not None:
-            for peer_id in due:
-                self._note(peer_id, roster.of_peer(peer_id.to_base58()), asked)
+        for peer_id in due if roster is not None else ():
+            cert = roster.of_peer(peer_id.to_base58())
+            # a check since has the last word; one found nowhere is left to the checks
+            if cert is not None and self._verified.get(peer_id, (-math.inf,))[0] <= asked:
+                self._note(peer_id, cert, asked)
+                self._first_asked.pop(peer_id, None)
 
     async def peers_of(self, dht: Any, public_key: str) -> list[PeerID]:
         """The peer IDs whose certificates bind `public_key`: from the checks made, and the

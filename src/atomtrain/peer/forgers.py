@@ -5,15 +5,19 @@ Every record of a keyed swarm lives under a subkey that names its writer's RSA k
 That keeps a member from writing over another's certificate or status, but on its own it costs
 the writer nothing: it goes on training and averaging while its writes are refused.
 
-No honest node ever sends such a record. A node signs only what it writes under its own subkey,
+No honest node sends such a record. A node signs only what it writes under its own subkey,
 stores only what passed the same check, and passes on (hivemind caches a record it found on the
-nodes nearest its key) only what it stored or found checked. So a record whose signature does not
-verify, in a store request or in an answer to a find, proves that its sender forged it or made
-it up, and every DHT request and answer of a keyed swarm is signed by its sender under its
-certificate (auth.py): the sender is known. The DHT's gate (auth.SwarmAuthorizer, in the DHT's
-process) then refuses that member from then on, and the averager's gate (guarded.py) reads the
-names at each round and bans the member there too: a ban that follows its certificate, reported
-like any other rejection.
+nodes nearest its key) only what it stored or found checked, encoded anew. That last step is
+why a store is also refused, and its sender named, when its key or subkey is not encoded as
+hivemind encodes them (_canonical): a record signed over another encoding verifies on arrival
+and would fail once an honest node passed it on, naming that node. So a record whose signature
+does not verify, in a store request or in an answer to a find, shows that its sender forged it
+or made it up, and every DHT request and answer of a keyed swarm is signed by its sender under
+its certificate (auth.py): the sender is known. The DHT's gate (auth.SwarmAuthorizer, in the
+DHT's process) then refuses the RSA key that signed it from then on, and the averager's gate
+(guarded.py) reads the names at each round and bans that peer ID and its member, as any ban:
+reported like any other rejection. (A node of an older Atom, without this check, could still
+store a record so encoded and pass it on.)
 
 Only signatures count: a record of the wrong shape under the sender's own subkey (a peer of
 another version, say) is refused by the schema check, but names no one.
@@ -21,17 +25,15 @@ another version, say) is refused by the schema check, but names no one.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.proto import dht_pb2
 from hivemind.utils.serializer import MSGPackSerializer
-
-log = logging.getLogger(__name__)
 
 FORGERS_READ_S = 5.0
 """The averager's read of the names (a call into the DHT's process) gives up after this long."""
@@ -61,13 +63,33 @@ def _dictionary_forged(checker: RSASignatureValidator, key: bytes, value: bytes)
     return False
 
 
+def _canonical(key: bytes, tag: bytes) -> bool:
+    """The key and subkey are encoded as hivemind encodes them whenever it sends a record on: a
+    node stores a record under the decoded key and subkey and encodes both anew to pass it on, so
+    a record signed over another encoding of them (a 21-byte key with a leading zero, a subkey
+    in a longer msgpack form) verifies on arrival and fails once an honest node passes it on.
+    Accepting it would let its sender have honest nodes named; no honest node sends one."""
+    try:
+        if DHTID.from_bytes(key).to_bytes() != key:
+            return False
+        return (
+            tag == DHTProtocol.IS_DICTIONARY
+            or MSGPackSerializer.dumps(MSGPackSerializer.loads(tag)) == tag
+        )
+    except Exception:
+        return False
+
+
 def forged_in_store(checker: RSASignatureValidator, request: Any) -> bool:
-    """A store request carries a record its owner did not sign."""
+    """A store request carries a record its owner did not sign, or one encoded so that it
+    would fail once passed on (_canonical)."""
     if not isinstance(request, dht_pb2.StoreRequest):
         return False
     for key, tag, value, expiration in zip(
         request.keys, request.subkeys, request.values, request.expiration_time, strict=False
-    ):  # (hivemind refuses a request whose lists differ in length)
+    ):  # (as hivemind's rpc_store reads them: up to the shortest list)
+        if not _canonical(key, tag):
+            return True
         if tag == DHTProtocol.IS_DICTIONARY:
             if _dictionary_forged(checker, key, value):
                 return True

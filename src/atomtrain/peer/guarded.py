@@ -449,8 +449,8 @@ class GuardedAverager(DecentralizedAverager):
         self._suspects.next_round(self._left_out.rounds)
         if self._gate.owner is not None and (self._forgers is None or self._forgers.done()):
             self._forgers = asyncio.ensure_future(self._ban_forgers())
-        if self._warming is None or self._warming.done():  # (keyed swarms: auth.MemberGate.warm)
-            self._warming = asyncio.ensure_future(self._gate.warm(self.dht, self._expected))
+        if self._warming is None or self._warming.done():
+            self._warming = asyncio.ensure_future(self._warm([self.peer_id, *self._expected]))
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
                 self._gate.signing_key,
@@ -465,19 +465,30 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             self._assembled.clear()  # its groups ran, or never will
 
+    async def _warm(self, peer_ids: list[PeerID]) -> None:
+        """The round's members' certificates checked as it begins (auth.MemberGate.warm)."""
+        try:
+            await self._gate.warm(self.dht, peer_ids)
+        except Exception as e:  # (a check on the path reads again)
+            log.debug("could not check the round's members ahead: %r", e)
+
     async def _ban_forgers(self) -> None:
-        """Ban the members this peer's DHT node caught sending records they could not have
-        signed (forgers.py), in the background of a round's matchmaking."""
+        """Ban the peers this peer's DHT node caught sending records they could not have
+        signed (forgers.py), and their members, in the background of a round's matchmaking
+        (a peer whose certificate the roster does not show yet is looked for again next
+        round)."""
         try:
             named = await asyncio.wait_for(read_forgers(self.dht), FORGERS_READ_S)
-            for public_key, (_, why) in named.items():
-                if public_key in self._forgers_banned:
-                    continue
-                for peer_id in await self._gate.peers_of(self.dht, public_key):
-                    self._reject(peer_id, why)  # (its member too, as any ban: MemberGate.ban)
-                    self._forgers_banned.add(public_key)
         except Exception as e:  # (the DHT's process busy or gone: the next round reads again)
-            log.debug("could not read the members the DHT named: %r", e)
+            log.debug("could not read the peers the DHT named: %r", e)
+            return
+        for public_key, (member, why) in named.items():
+            if public_key in self._forgers_banned:
+                continue
+            self._gate.banned_members.add(member)  # (its certificate's: a ban follows it)
+            for peer_id in await self._gate.peers_of(self.dht, public_key):
+                self._reject(peer_id, why)
+                self._forgers_banned.add(public_key)
 
     def _guard_leaders(self) -> None:
         """hivemind picks leaders from the DHT with no hook to refuse one: wrap the request so a
