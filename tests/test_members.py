@@ -273,9 +273,9 @@ def test_a_rounds_members_checked_as_it_begins_need_no_dht_read_once_its_group_f
 ):
     """guarded checks the round's live members as the round begins (MemberGate.warm): the
     checks of the group's metadata, made once the group has formed, answer from what that read
-    found, even where the DHT's reads now hang (a member frozen in the group holds them: the
-    first round of bench attack's stall, with a cold cache, lost 7-9 s). A caller no certificate
-    names is refused as before; open swarms check nothing."""
+    found, even where the DHT's reads now hang (a read waits on every node it asks; the first
+    stalled round of bench attack's Q6, whose checks met a cold cache, took 7-9 s). A caller no
+    certificate names is refused as before; open swarms check nothing."""
     key = SwarmKey(secrets.token_bytes(32))
     owner = Membership.of_owner(key, "owner", RSAPrivateKey())
     alice, alice_id = admit(key, tmp_path, "alice")
