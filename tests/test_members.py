@@ -140,6 +140,15 @@ def test_only_the_owner_admits_and_bans_and_revocations_follow_the_member(tmp_pa
         host.shutdown()
 
 
+def owner_two_members_and_a_sybil(tmp_path: Path):
+    """A new swarm's owner membership, alice and bob admitted (each with its identity file),
+    and a sybil's peer ID no certificate names."""
+    key = SwarmKey(secrets.token_bytes(32))
+    owner = Membership.of_owner(key, "owner", RSAPrivateKey())
+    sybil = PeerID.from_base58(write_new_identity(tmp_path / "sybil.id").peer_id)
+    return owner, admit(key, tmp_path, "alice"), admit(key, tmp_path, "bob"), sybil
+
+
 class CountedDHT(AwaitableDHT):
     """The same DHT, counting the gets the gate makes of it."""
 
@@ -160,11 +169,7 @@ def test_the_gate_reads_the_roster_once_for_a_callers_many_checks(
     a caller first asking after that read began is checked against a new one (an honest peer
     stores its certificate before it asks: a member admitted after the read is let in); a read
     that found no roster is not kept."""
-    key = SwarmKey(secrets.token_bytes(32))
-    owner = Membership.of_owner(key, "owner", RSAPrivateKey())
-    alice, alice_id = admit(key, tmp_path, "alice")
-    bob, bob_id = admit(key, tmp_path, "bob")
-    sybil = PeerID.from_base58(write_new_identity(tmp_path / "sybil.id").peer_id)
+    owner, (alice, alice_id), (bob, bob_id), sybil = owner_two_members_and_a_sybil(tmp_path)
     host = start_dht(owner, [])
     addrs = [str(a) for a in host.get_visible_maddrs()]
     others = [start_dht(alice, addrs, alice_id)]
@@ -276,11 +281,7 @@ def test_a_rounds_members_checked_as_it_begins_need_no_dht_read_once_its_group_f
     found, even where the DHT's reads now hang (a read waits on every node it asks; the first
     stalled round of bench attack's Q6, whose checks met a cold cache, took 7-9 s). A caller no
     certificate names is refused as before; open swarms check nothing."""
-    key = SwarmKey(secrets.token_bytes(32))
-    owner = Membership.of_owner(key, "owner", RSAPrivateKey())
-    alice, alice_id = admit(key, tmp_path, "alice")
-    bob, bob_id = admit(key, tmp_path, "bob")
-    sybil = PeerID.from_base58(write_new_identity(tmp_path / "sybil.id").peer_id)
+    owner, (alice, alice_id), (bob, bob_id), sybil = owner_two_members_and_a_sybil(tmp_path)
     host = start_dht(owner, [])
     addrs = [str(a) for a in host.get_visible_maddrs()]
     others = [start_dht(alice, addrs, alice_id), start_dht(bob, addrs, bob_id)]
