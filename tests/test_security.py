@@ -561,7 +561,13 @@ def test_a_member_that_withholds_its_spans_averages_ends_rounds_early_and_is_lef
         assert ended and all("sent no averages" in line for line in ended), (logs[i][-3000:], ids)
         assert "sent no averages in time" not in logs[i], logs[i][-3000:]  # (the reducer timeout)
         assert [name for name, _ in out["stalled"]] == ["h2"], out["stalled"]
-        assert {why for _, why in out["stalled"]} == {"sent no averages of its span"}
+        # named for its span's averages; or, on a loaded machine, for its parts of a later round
+        # (its averager, its streams hanging, sent them past the sender timeout there) where
+        # that verdict came first (CI, 2026-12-06): either is the withholder, named once
+        assert {why for _, why in out["stalled"]} <= {
+            "sent no averages of its span",
+            "sent none of its parts",
+        }, out["stalled"]
         later = [r for r in out["rounds"][1:] if not r["failed"]]
         assert later and all(r["group"] == 2 for r in later), (out["rounds"], ids)
         assert all(torch.allclose(r["delta"], honest_mean(), atol=1e-6) for r in later)
