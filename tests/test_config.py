@@ -27,6 +27,9 @@ def test_toml_then_overrides(tmp_path: Path):
         ("--train.steps=2.5", "train.steps expects"),
         ("--nosection.x=1", "unknown setting nosection"),
         ("--train.lr=0", "train.lr must be positive"),
+        ("--peer.follow_ratio=1", "peer.follow_ratio must be at least 0 and below 1"),
+        ("--peer.follow_ratio=-0.1", "peer.follow_ratio must be at least 0 and below 1"),
+        ("--peer.follow_ratio=nan", "peer.follow_ratio must be a finite number"),
     ],
 )
 def test_invalid_values_name_the_field(override, message):

@@ -44,6 +44,9 @@ from atomtrain.peer.exact import (
     start_timeouts,
 )
 from atomtrain.peer.exclusion import (
+    FOLLOW_FLOOR,
+    FOLLOW_RATIO,
+    FOLLOW_WITHIN,
     FORGIVE_ROUNDS,
     OPPOSED_COSINE,
     OPPOSED_EXCLUSION_ROUNDS,
@@ -1582,6 +1585,71 @@ def test_one_reading_far_below_leaves_a_member_out_at_once():
     assert len(named) == 4 and "f055" not in ledger._readings
     round_(broken=float("nan"))
     assert [p for p, _ in named[4:]] == ["broken"]
+
+
+def test_a_member_whose_update_follows_ours_far_less_than_the_others_do_is_left_out():
+    """Against the other members' median cosine in the same try: a member read at under
+    FOLLOW_RATIO of it in the median of FOLLOW_WITHIN readings (bench attack's label flipper,
+    about 0 against honest 0.5-0.8) is left out as an opposing one is, at its third reading,
+    named with its ratio; one odd reading of an honest member among three names no one, nor a
+    swarm whose members all follow this peer weakly (members on different data), nor a try
+    where this peer's own update follows no one (FOLLOW_FLOOR), nor a member read alone. The
+    tries of one round are one reading, the best of them; `follow` 0 turns the rule off."""
+    named: list[tuple[str, str, int]] = []
+    ledger = LeftOut(lambda peer, why, kind: None, lambda peer: peer == "banned")
+    stall = ledger.stall
+
+    def named_and_left_out(peer, why, first):
+        named.append((peer, why, first))
+        stall(peer, why, first)
+
+    ledger.stall = named_and_left_out  # type: ignore[method-assign]
+
+    def round_(*tries: dict[str, float]) -> None:
+        ledger.next_round()
+        for cosines in tries:
+            ledger.readings(cosines)
+
+    round_({"a": 0.7, "b": 0.6, "flipper": 0.02, "odd": 0.1, "banned": 0.0})
+    round_({"a": 0.6, "b": 0.7, "flipper": -0.05, "odd": 0.6, "banned": 0.0})
+    assert not named and FOLLOW_WITHIN == 3
+    round_({"a": 0.65, "b": 0.6, "flipper": 0.1, "odd": 0.55, "banned": 0.0})
+    assert [(peer, first) for peer, _, first in named] == [("flipper", OPPOSED_EXCLUSION_ROUNDS)]
+    assert "followed this peer's 0.06 times as closely" in named[0][1], named
+    assert "flipper" in ledger and "flipper" not in ledger._follows  # afresh once let back in
+    named.clear()
+    # all less closely (members on data unlike this peer's): the bar falls with them
+    for _ in range(5):
+        round_({"a": 0.3, "b": 0.35, "c": 0.22})
+    # this peer's own update follows no one (just re-synchronized): no one is counted
+    for _ in range(5):
+        round_({"a": 0.05, "b": 0.15, "c": -0.02})
+        round_({"alone": 0.0})
+    assert not named and FOLLOW_FLOOR > 0.15 and "alone" not in ledger._follows
+    # a round's tries: the best reading counts (one try with odd company is not held against)
+    for _ in range(FOLLOW_WITHIN):
+        round_({"d": 0.05, "e": 0.6}, {"d": 0.5, "e": 0.6, "f": 0.6})
+    assert not named
+    for _ in range(FOLLOW_WITHIN):  # below the bar in every try
+        round_({"d": 0.05, "e": 0.6}, {"d": 0.1, "e": 0.6, "f": 0.6})
+    assert [peer for peer, _, _ in named] == ["d"] and FOLLOW_RATIO > 0.1 / 0.6
+    # readings further apart than OPPOSED_SPAN_ROUNDS do not count together
+    named.clear()
+    round_({"g": 0.0, "h": 0.6})
+    round_({"g": 0.0, "h": 0.6})
+    for _ in range(OPPOSED_SPAN_ROUNDS):
+        round_({"h": 0.6})
+    round_({"g": 0.0, "h": 0.6})
+    assert not named
+    # the opposing rule still reads every member of the try
+    round_({"opp": -0.6, "h": 0.6})
+    assert [peer for peer, _, _ in named] == ["opp"] and "opposite" in named[0][1]
+    # off: never
+    off = LeftOut(lambda peer, why, kind: None, lambda peer: False, follow=0.0)
+    for _ in range(5):
+        off.next_round()
+        off.readings({"flipper": 0.0, "a": 0.7, "b": 0.7})
+    assert "flipper" not in off
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from atomtrain.peer.exclusion import FOLLOW_RATIO
+
 DELTA, PROBE = "delta", "probe"
 MIN_WEIGHT = 1e-6
 
@@ -50,6 +52,9 @@ class Defence:
     audit: bool = True
     """A second member recomputes each span's reduction, and every member checks what it
     received against that (audit.py): a reducer that lies is caught the first time."""
+    follow: float = FOLLOW_RATIO
+    """A member whose update follows this member's less than this share as closely as the
+    others' do is left out for a while (exclusion.FOLLOW_RATIO; 0: never)."""
 
 
 NO_DEFENCE = Defence(clip=math.inf, reject=math.inf, reduced=math.inf, ban=math.inf, audit=False)

@@ -6,8 +6,10 @@ times the others', can look like a staller. A member is left out `STALL_ROUNDS` 
 time, twice as many at each repeat, one repeat forgiven every `FORGIVE_ROUNDS` quiet rounds; one
 whose update opposed this peer's own in `OPPOSED_ROUNDS` of this peer's last `OPPOSED_WITHIN`
 readings of it (`OPPOSED_COSINE`, within `OPPOSED_SPAN_ROUNDS`), or in one reading far below
-(`STRONGLY_OPPOSED_COSINE`), is left out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's
-sign rather than a failure's. The averager (guarded.py) keeps the counts in a `LeftOut`, and
+(`STRONGLY_OPPOSED_COSINE`), or whose update followed this peer's far less closely than the other
+members' did in the same tries (`follow`, in the median of `FOLLOW_WITHIN` readings), is left
+out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's. The
+averager (guarded.py) keeps the counts in a `LeftOut`, and
 feeds it no readings in a round where this peer brings its weight average rather than an update
 (its last, with train.ema: guarded.reads_members). Known limit: a peer still training that meets
 one in its last round reads that one's average as an update (finishers wait for every live peer
@@ -16,6 +18,8 @@ to finish first, finish.py, so this needs a peer that missed the others' statuse
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +81,32 @@ whose exclusion had ended in pairs the quorum refuses, while the other two, stil
 met in pairs too (bench attack's sybil: 12-16 failed rounds per honest peer)."""
 
 
+FOLLOW_RATIO = 0.3
+"""A member whose update followed this peer's own less than this share as closely as the other
+members' did (its cosine over the median of theirs, in the same try), in the median of this
+peer's last FOLLOW_WITHIN readings of it, is left out as one that opposed it: a member training
+on poisoned data (bench attack's label flip) reads about 0 against honest members' 0.5-0.8, and
+never opposes. The default of `peer.follow_ratio` (0: no such rule). Replayed on the readings of
+bench attack runs kept (the honest peers' metrics, a round's tries as one reading, the best):
+468 honest reader-member pairs of clean, stall, DHT-overwrite, ALIE, label-flip and stale-model
+swarms at 41e92d9 and before, none below 0.49 in any median of 3; the label flipper of 3
+seeds at 41e92d9 below 0.3 at its third reading by every honest peer of every seed; ALIE
+(z = 1) after 3 to 16 readings (3 seeds, every honest peer). Relative, not absolute: where every
+member's update agrees less with this peer's (smaller batches, members on different data) the
+bar falls with them. An honest member training on data far from the others' (another language)
+can fall under it too, and is then left out as a label flipper would be: nothing in an update
+tells them apart; lower `peer.follow_ratio`, or set it to 0."""
+FOLLOW_WITHIN = 3
+"""The readings whose median `follow` is judged on: one odd honest update among them names no
+one, and a member training on poisoned data is left out at its third reading."""
+FOLLOW_FLOOR = 0.2
+"""Where the other members' median cosine with this peer's update is below this, the try tells
+nothing of who follows it (this peer's own update follows no one: its first steps after a
+re-synchronization, or members whose data differ too much for any to follow another), and
+counts for no member. (At 0.1 an honest peer whose others read 0.15 read the label flipper at
+1.09 of them, bench attack.)"""
+
+
 def exclusion_rounds(stalls: int, first: int = STALL_ROUNDS) -> int:
     """The rounds a member is left out of after its `stalls`-th remembered stall, the first of
     which left it out of `first`."""
@@ -94,15 +124,20 @@ class LeftOut:
     the training process; `banned(peer_id)`: the gate banned it (nothing more to count)."""
 
     def __init__(
-        self, tell: Callable[[Any, str, str], None], banned: Callable[[Any], bool]
+        self,
+        tell: Callable[[Any, str, str], None],
+        banned: Callable[[Any], bool],
+        follow: float = FOLLOW_RATIO,
     ) -> None:
-        self._tell, self._banned = tell, banned
+        self._tell, self._banned, self._follow = tell, banned, follow
         self.rounds = 0  # rounds this peer began
         self._left: dict[Any, int] = {}  # peer -> rounds it is still left out of, plus one
         # peer -> (stalls, at round, rounds that one left it out of)
         self._stalls: dict[Any, tuple[int, int, int]] = {}
         # peer -> this peer's latest readings of its update: (at round, opposed)
         self._readings: dict[Any, deque[tuple[int, bool]]] = {}
+        # peer -> this peer's latest readings of how closely it followed: (at round, ratio)
+        self._follows: dict[Any, deque[tuple[int, float]]] = {}
 
     def __contains__(self, peer_id: Any) -> bool:
         return peer_id in self._left
@@ -118,6 +153,7 @@ class LeftOut:
         self.rounds += 1
         oldest = self.rounds - OPPOSED_SPAN_ROUNDS
         self._readings = {p: r for p, r in self._readings.items() if r[-1][0] > oldest}
+        self._follows = {p: r for p, r in self._follows.items() if r[-1][0] > oldest}
         self._stalls = {
             p: (times, at, sat_out)
             for p, (times, at, sat_out) in self._stalls.items()
@@ -137,6 +173,40 @@ class LeftOut:
         rounds = exclusion_rounds(times, first)
         self._stalls[peer_id] = (times, self.rounds, rounds)
         self._left[peer_id] = 1 + rounds
+
+    def readings(self, cosines: dict[Any, float]) -> None:
+        """One try's readings of its members' updates against this peer's own (robust.
+        RobustRunner: the cosine over the span this peer reduces, per member): each counted by
+        `reading`, then each member's against the others' of the same try (`_followed`)."""
+        for peer_id, cosine in cosines.items():
+            self.reading(peer_id, cosine)
+        if not self._follow > 0:
+            return
+        for peer_id, cosine in cosines.items():
+            others = [c for p, c in cosines.items() if p != peer_id and math.isfinite(c)]
+            if others and math.isfinite(cosine) and statistics.median(others) >= FOLLOW_FLOOR:
+                self._followed(peer_id, cosine / statistics.median(others))
+
+    def _followed(self, peer_id: Any, ratio: float) -> None:
+        """A member whose `ratio` (its cosine over the others' median) was below `follow` in
+        the median of this peer's last FOLLOW_WITHIN readings of it, within its last
+        OPPOSED_SPAN_ROUNDS rounds, is left out as one that opposed this peer's update. The
+        tries of one round are one reading, the best of them (a member read in a try of odd
+        company is not counted against for it)."""
+        if peer_id in self._left or self._banned(peer_id):
+            return
+        ratios = self._follows.setdefault(peer_id, deque(maxlen=FOLLOW_WITHIN))
+        if ratios and ratios[-1][0] == self.rounds:
+            ratio = max(ratios.pop()[1], ratio)
+        ratios.append((self.rounds, ratio))
+        recent = [r for at, r in ratios if at > self.rounds - OPPOSED_SPAN_ROUNDS]
+        if len(recent) < FOLLOW_WITHIN or statistics.median(recent) >= self._follow:
+            return
+        why = (
+            f"sent updates that followed this peer's {statistics.median(recent):.2f} times as "
+            f"closely as the others' did, in the median of its last {len(recent)} readings"
+        )
+        self._left_out_for_its_updates(peer_id, why)
 
     def reading(self, peer_id: Any, cosine: float) -> None:
         """A member whose update opposed this peer's (robust.RobustRunner measures it in the
@@ -172,5 +242,11 @@ class LeftOut:
             )
         else:
             return
-        del self._readings[peer_id]
+        self._left_out_for_its_updates(peer_id, why)
+
+    def _left_out_for_its_updates(self, peer_id: Any, why: str) -> None:
+        """Left out for OPPOSED_EXCLUSION_ROUNDS (doubled for each exclusion it is still
+        remembered for), and counted afresh by both rules once let back in."""
+        self._readings.pop(peer_id, None)
+        self._follows.pop(peer_id, None)
         self.stall(peer_id, why, first=OPPOSED_EXCLUSION_ROUNDS)

@@ -150,6 +150,7 @@ class GuardedAverager(DecentralizedAverager):
         self._left_out = LeftOut(
             lambda peer_id, why, kind: events.put((peer_id.to_base58(), why, kind)),
             lambda peer_id: peer_id in self._gate.banned,
+            defence.follow if defence is not None else 0.0,
         )
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
@@ -768,7 +769,7 @@ class GuardedAverager(DecentralizedAverager):
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,
             "on_doubt": self._left_out.stall if self._trusted else lambda peer_id, why: None,
-            "on_agreement": self._left_out.reading if reads else None,
+            "on_agreement": self._left_out.readings if reads else None,
             "lie": self._lie(),  # bench attack only
         }
 

@@ -35,8 +35,9 @@ Each reducer also measures, over the update parts of its span, how each other me
 agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member whose update points
 against this one's round after round, or far against it once, is left out for a while
 (exclusion.py, OPPOSED_COSINE, STRONGLY_OPPOSED_COSINE), though clipping already bounds what it
-moves each round. A member that brings its weight average to its last round reads no one
-(guarded.reads_members: no `on_agreement`).
+moves each round; so is one whose update follows this one's far less closely than the others'
+do (`peer.follow_ratio`: a member training on poisoned data). A member that brings its weight
+average to its last round reads no one (guarded.reads_members: no `on_agreement`).
 
 A reducer can lie too: every member checks the averaged parts it receives (bounds.py). With three or
 more members in sync (reducer_bounds), within `reduced` times a typical update and its own part of
@@ -306,7 +307,7 @@ class RobustRunner(ExactAverageRunner):
         defence: Defence,
         on_reject: Callable[[PeerID, str], None],
         on_doubt: Callable[[PeerID, str], None] | None = None,
-        on_agreement: Callable[[PeerID, float], None] | None = None,
+        on_agreement: Callable[[dict[PeerID, float]], None] | None = None,
         lie: float = 0.0,
         **kwargs,
     ) -> None:
@@ -371,8 +372,8 @@ class RobustRunner(ExactAverageRunner):
         (on_agreement)."""
         if self._on_agreement is not None and not self._future.done() and not kwargs:
             senders = self.sender_peer_ids
-            for i, cosine in self.tensor_part_reducer.cosines().items():
-                self._on_agreement(senders[i], cosine)
+            cosines = self.tensor_part_reducer.cosines().items()
+            self._on_agreement({senders[i]: cosine for i, cosine in cosines})
         super().finalize(**kwargs)
 
     def replay_reducer(self, peer_index: int) -> RobustReducer:

@@ -218,7 +218,11 @@ class PeerRuntime:
             self.cfg.target_group_size,
             partial(served_state, self),
             MemberGate(self.membership, self.cfg.swarm),
-            Defence(min_scale=self.lr * MIN_SCALE_STEPS, audit=self.cfg.audit)
+            Defence(
+                min_scale=self.lr * MIN_SCALE_STEPS,
+                audit=self.cfg.audit,
+                follow=self.cfg.follow_ratio,
+            )
             if self.cfg.defend
             else None,
             attack=self.cfg.attack,
