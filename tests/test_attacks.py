@@ -189,3 +189,62 @@ def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():
     assert seen["honest_below"] == 1  # -0.35, below -0.3
     assert report["clean_agreement"] == [{"honest": {"n": 0}, "honest_below": 0}]
     assert report["opposed_cosine"] == OPPOSED_COSINE
+
+
+def test_each_peer_of_an_attack_swarm_runs_under_its_own_cpu_quota(tmp_path):
+    """bench attack gives every peer process the same cores in every swarm (an attack's swarm
+    has one process more than the clean one): each joins its own group before it execs, so its
+    helpers count against that quota too."""
+    import sys
+
+    from atomtrain.bench.attack import _swarm
+    from atomtrain.bench.cgroup import CpuQuotas
+
+    quotas = CpuQuotas(0.5, root=tmp_path)  # the groups' files only, no cgroup mounted here
+    swarm = _swarm(quotas, "s", tmp_path / "out", "s0-clean-defended", [], expected=4)
+    swarm.peer_args = lambda i, n, join: [sys.executable, "-c", "import os; print(os.getpid())"]
+    peers = [swarm.launch(i, 2, None) for i in range(2)]
+    for peer in peers:
+        assert peer.proc.wait(timeout=30) == 0
+        group = tmp_path / f"{quotas.tag}-s0-clean-defended-peer{peer.index}"
+        assert (group / "cpu.cfs_quota_us").read_text() == "50000"
+        pid = int(peer.log_path.read_text())  # the peer's own, exec'd in the shell's place
+        assert int((group / "cgroup.procs").read_text()) == pid == peer.proc.pid
+    assert _swarm(None, "s", tmp_path / "out", "plain", []).wrap is None
+
+
+def test_bench_attack_checks_its_cpu_quota_in_one_line(tmp_path, monkeypatch, capsys):
+    """`--cpu-per-peer`: auto splits this machine's cores among an attack swarm's peers where
+    quotas can be set, and says where they cannot; a bad value, or a quota without root, is a
+    one-line error."""
+    import os
+    import subprocess
+    import sys
+
+    from atomtrain.bench import cgroup
+    from atomtrain.cli import bench_cmd
+
+    monkeypatch.setattr(cgroup, "cpu_cgroups_usable", lambda root=None: True)
+    assert bench_cmd._cpu_per_peer("auto", 4) == round((os.cpu_count() or 1) / 4, 3)
+    assert bench_cmd._cpu_per_peer("0.25", 4) == 0.25
+    monkeypatch.setattr(cgroup, "cpu_cgroups_usable", lambda root=None: False)
+    assert bench_cmd._cpu_per_peer("auto", 4) == 0.0
+    assert "no CPU quotas" in capsys.readouterr().err
+    assert bench_cmd._cpu_per_peer("0", 4) == 0.0
+    for value, message in (
+        ("-1", "--cpu-per-peer must be auto or a number of cores >= 0, got '-1'"),
+        ("lots", "--cpu-per-peer must be auto or a number of cores >= 0, got 'lots'"),
+        ("inf", "--cpu-per-peer must be auto or a number of cores >= 0, got 'inf'"),
+        ("0.5", "--cpu-per-peer needs root and cgroup v1 `cpu` mounted read-write"),
+    ):
+        code = (
+            "import os; os.geteuid = lambda: 1000\n"
+            "import sys; from atomtrain.cli.main import main\n"
+            f"sys.exit(main(['bench', 'attack', '--json', '--cpu-per-peer={value}']))"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60
+        )
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.strip() == f"atomtrain: error: {message}", value
+        assert not (tmp_path / "runs").exists()  # nothing started, nothing removed

@@ -9,13 +9,16 @@ Every peer is a real `atomtrain train --swarm` process on 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from atomtrain.bench.attack_report import SwarmRun, attack_report, final_loss
+from atomtrain.bench.cgroup import CpuQuotas
 from atomtrain.peer.attack import ATTACKS
 from atomtrain.peer.auth import KEY_ENV, load_swarm_key, write_new_key
 from atomtrain.peer.certs import issue, write_new_identity
@@ -39,6 +42,13 @@ class AttackConfig:
     attacks: tuple[str, ...] = ATTACKS
     undefended: bool = True
     """Also each attack against swarms without the defences (half the bench's time)."""
+    cpu_per_peer: float = 0.0
+    """Cores each peer process may use (a cgroup CPU quota, bench/cgroup.py), the same in every
+    swarm; 0: no quota. Without one, the peers share the machine's cores, and an attack's swarm
+    has one process more than the clean one (the attacker, which trains on after it is banned),
+    so its honest peers train more slowly, land more rounds per step and end at another loss:
+    on 2 cores the DHT overwrite's honest peers took 95-107 s for 600 steps against 56-66 s,
+    landed 31-33 rounds against 20-26, and ended 2-6% above the clean swarm (run Q8, README)."""
     overrides: tuple[str, ...] = (
         "--model.preset=small",
         "--data.seq_len=64",
@@ -54,6 +64,19 @@ class AttackConfig:
         # the outer optimizer is DiLoCo's default (Nesterov momentum): an attack that steers
         # the momentum is measured as users would meet it
     )
+
+
+def _swarm(
+    quotas: CpuQuotas | None, name: str, out: Path, base: str, overrides: list[str], **kw
+) -> Swarm:
+    """A swarm whose peers each run under their own CPU quota, where there are quotas."""
+    return Swarm(name, out, base, overrides, wrap=quotas.wrap if quotas else None, **kw)
+
+
+def _release(quotas: CpuQuotas | None, swarm: Swarm) -> None:
+    """The stopped swarm's CPU groups removed (anything left in them killed)."""
+    for peer in swarm.peers if quotas else ():
+        quotas.release(f"{swarm.base}-peer{peer.index}")  # type: ignore[union-attr]
 
 
 def _wait(swarm: Swarm, timeout_s: float) -> None:
@@ -76,18 +99,22 @@ def _common(cfg: AttackConfig, key: Path, defend: bool, seed: int = 0) -> list[s
     ]
 
 
-def _intruders_refused(cfg: AttackConfig, out: Path, addr: str, other_key: Path) -> bool:
+def _intruders_refused(
+    cfg: AttackConfig, out: Path, addr: str, other_key: Path, quotas: CpuQuotas | None
+) -> bool:
     """A peer without a key and one with another key try to join; both must be turned away."""
     refused = []
     for label, extra in (("nokey", []), ("wrongkey", [f"--peer.swarm_key={other_key}"])):
         common = [o for o in _common(cfg, other_key, True) if not o.startswith("--peer.swarm_key")]
-        intruder = Swarm("clean", out, f"intruder-{label}", [*common, *extra])
+        intruder = _swarm(quotas, "clean", out, f"intruder-{label}", [*common, *extra])
         peer = intruder.launch(cfg.honest, cfg.honest + 1, addr)
         try:
             code = peer.proc.wait(timeout=120)
         except Exception:
             intruder.stop()
             code = None
+        finally:
+            _release(quotas, intruder)
         log = peer.log_path.read_text()
         refused.append(code == 2 and "no peer accepted" in log)
     return all(refused)
@@ -104,7 +131,13 @@ def admit_attacker(out: Path, key: Path) -> list[str]:
 
 
 def run_case(
-    cfg: AttackConfig, out: Path, key: Path, attack: str, defend: bool, seed: int
+    cfg: AttackConfig,
+    out: Path,
+    key: Path,
+    attack: str,
+    defend: bool,
+    seed: int,
+    quotas: CpuQuotas | None = None,
 ) -> SwarmRun:
     """One swarm: the honest peers, and with `attack` one more peer that attacks."""
     name = f"s{seed}-{attack or 'clean'}-{'defended' if defend else 'undefended'}"
@@ -112,7 +145,8 @@ def run_case(
     # a sybil attack: the member's own process sends sign-flipped updates, and SYBILS more
     # processes with its certificate under new peer IDs try to add their weight to it
     sybils = SYBILS if attack == "sybil" else 0
-    swarm = Swarm(name, out, name, _common(cfg, key, defend, seed), wait_for=n, expected=n + sybils)
+    common = _common(cfg, key, defend, seed)
+    swarm = _swarm(quotas, name, out, name, common, wait_for=n, expected=n + sybils)
     try:
         addr = swarm.wait_addr(swarm.launch(0, n + sybils, None))
         member = admit_attacker(out, key) if attack else []
@@ -124,6 +158,7 @@ def run_case(
     finally:
         if swarm.running():
             swarm.stop()
+        _release(quotas, swarm)
     return _records(swarm, cfg.honest)
 
 
@@ -137,6 +172,37 @@ def _records(swarm: Swarm, honest: int) -> SwarmRun:
     )
 
 
+def _clean_runs(
+    cfg: AttackConfig,
+    out: Path,
+    key: Path,
+    other: Path,
+    quotas: CpuQuotas | None,
+    say: Callable[[str], None],
+) -> tuple[list[SwarmRun], bool]:
+    """The honest peers alone, every seed (seed 0 with intruders knocking while it trains), and
+    whether the intruders were refused."""
+    name = "s0-clean-defended"
+    common = _common(cfg, key, True)
+    swarm = _swarm(quotas, name, out, name, common, wait_for=cfg.honest, expected=cfg.honest + 1)
+    try:
+        addr = swarm.wait_addr(swarm.launch(0, cfg.honest + 1, None))
+        for i in range(1, cfg.honest):
+            swarm.launch(i, cfg.honest + 1, addr)
+        refused = _intruders_refused(cfg, out, addr, other, quotas)
+        _wait(swarm, 900)
+    finally:
+        if swarm.running():
+            swarm.stop()
+        _release(quotas, swarm)
+    clean = [_records(swarm, cfg.honest)]
+    say(f"seed 0 clean: final loss {final_loss(clean[0])}")
+    for seed in range(1, cfg.seeds):
+        clean.append(run_case(cfg, out, key, "", True, seed, quotas))
+        say(f"seed {seed} clean: final loss {final_loss(clean[-1])}")
+    return clean, refused
+
+
 def run_attack_bench(cfg: AttackConfig, out: Path, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.pop(KEY_ENV, None)  # the intruders must not find the swarm's key there
@@ -148,33 +214,17 @@ def run_attack_bench(cfg: AttackConfig, out: Path, progress: bool = True) -> dic
         if progress:
             print(f"[bench attack] {text}", file=sys.stderr, flush=True)
 
-    # the clean swarm of seed 0, with intruders knocking while it trains
-    name = "s0-clean-defended"
-    swarm = Swarm(
-        name, out, name, _common(cfg, key, True), wait_for=cfg.honest, expected=cfg.honest + 1
-    )
-    try:
-        addr = swarm.wait_addr(swarm.launch(0, cfg.honest + 1, None))
-        for i in range(1, cfg.honest):
-            swarm.launch(i, cfg.honest + 1, addr)
-        refused = _intruders_refused(cfg, out, addr, other)
-        _wait(swarm, 900)
-    finally:
-        if swarm.running():
-            swarm.stop()
-    clean = [_records(swarm, cfg.honest)]
-    say(f"seed 0 clean: final loss {final_loss(clean[0])}")
-    for seed in range(1, cfg.seeds):
-        clean.append(run_case(cfg, out, key, "", True, seed))
-        say(f"seed {seed} clean: final loss {final_loss(clean[-1])}")
-    cases: dict[str, dict[str, list[SwarmRun]]] = {}
-    for attack in cfg.attacks:
-        for defend in (True, False) if cfg.undefended else (True,):
-            label = "defended" if defend else "undefended"
-            for seed in range(cfg.seeds):
-                run = run_case(cfg, out, key, attack, defend, seed)
-                cases.setdefault(attack, {}).setdefault(label, []).append(run)
-                say(f"seed {seed} {attack} {label}: final loss {final_loss(run)}")
+    quotas = CpuQuotas(cfg.cpu_per_peer) if cfg.cpu_per_peer > 0 else None
+    with quotas or contextlib.nullcontext():
+        clean, refused = _clean_runs(cfg, out, key, other, quotas, say)
+        cases: dict[str, dict[str, list[SwarmRun]]] = {}
+        for attack in cfg.attacks:
+            for defend in (True, False) if cfg.undefended else (True,):
+                label = "defended" if defend else "undefended"
+                for seed in range(cfg.seeds):
+                    run = run_case(cfg, out, key, attack, defend, seed, quotas)
+                    cases.setdefault(attack, {}).setdefault(label, []).append(run)
+                    say(f"seed {seed} {attack} {label}: final loss {final_loss(run)}")
     result = attack_report(clean, cases, OPPOSED_COSINE)
     result.update(
         honest_peers=cfg.honest,
@@ -183,6 +233,7 @@ def run_attack_bench(cfg: AttackConfig, out: Path, progress: bool = True) -> dic
         sync_every=cfg.sync_every,
         seeds=cfg.seeds,
         strongly_opposed_cosine=STRONGLY_OPPOSED_COSINE,  # one reading below it names a member
+        cpu_per_peer=cfg.cpu_per_peer,  # 0: the peers shared the machine's cores
         unauthorized_join_refused=refused,
     )
     return result

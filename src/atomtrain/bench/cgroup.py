@@ -27,6 +27,11 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
 
 
+def cpu_cgroups_usable(root: Path = CPU_ROOT) -> bool:
+    """Whether this process may create CPU-quota groups (root, cgroup v1 `cpu` read-write)."""
+    return os.geteuid() == 0 and (root / "cpu.cfs_quota_us").exists() and os.access(root, os.W_OK)
+
+
 def require_cpu_cgroups(root: Path = CPU_ROOT) -> None:
     if os.geteuid() != 0:
         raise AtomError("the scaling bench needs root (cgroup CPU quotas and network namespaces)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import replace
 
@@ -70,6 +71,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also run each attack against swarms without the defences (half the time)",
+    )
+    a.add_argument(
+        "--cpu-per-peer",
+        default="auto",
+        help="cores each peer process may use, the same in every swarm (a cgroup CPU quota: "
+        "root and cgroup v1 `cpu`); 0: none, the peers share the machine's cores; auto "
+        "(default): this machine's cores over the peers of an attack's swarm where quotas can "
+        "be set, else none",
     )
     a.add_argument("--out-dir", default="runs/bench-attack", help="where the peers' runs go")
     a.set_defaults(func=run_attack)
@@ -211,6 +220,34 @@ def run_churn(args: argparse.Namespace, _extra: list[str]) -> int:
     return 0
 
 
+def _cpu_per_peer(value: str, peers: int) -> float:
+    """`--cpu-per-peer` as cores: `auto` splits this machine's among `peers` where CPU quotas
+    can be set (and says so where they cannot)."""
+    import os
+
+    from atomtrain.bench.cgroup import cpu_cgroups_usable
+    from atomtrain.errors import AtomError
+
+    if value == "auto":
+        if cpu_cgroups_usable():
+            return round((os.cpu_count() or 1) / peers, 3)
+        print(
+            "[bench attack] no CPU quotas (they need root and cgroup v1 `cpu`): the peers share "
+            "this machine's cores, and an attack's swarm has one process more than the clean one",
+            file=sys.stderr,
+        )
+        return 0.0
+    try:
+        cores = float(value)
+    except ValueError:
+        cores = math.nan
+    if not (cores >= 0 and math.isfinite(cores)):
+        raise AtomError(f"--cpu-per-peer must be auto or a number of cores >= 0, got {value!r}")
+    if cores > 0 and not cpu_cgroups_usable():
+        raise AtomError("--cpu-per-peer needs root and cgroup v1 `cpu` mounted read-write")
+    return cores
+
+
 def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
     import shutil
     from pathlib import Path
@@ -230,6 +267,7 @@ def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
     ):
         if value < 1:
             raise AtomError(f"{flag} must be at least 1, got {value}")
+    cpu = _cpu_per_peer(args.cpu_per_peer, AttackConfig.honest + 1)
     out = Path(args.out_dir)
     shutil.rmtree(out, ignore_errors=True)
     cfg = AttackConfig(
@@ -238,6 +276,7 @@ def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
         seeds=args.seeds,
         attacks=attacks,
         undefended=args.undefended,
+        cpu_per_peer=cpu,
     )
     _emit(run_attack_bench(cfg, out), args.json)
     return 0

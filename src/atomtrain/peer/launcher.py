@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,9 @@ class Swarm:
     """Peers each launched peer waits for before its first step (0: none)."""
     expected: int = 1
     """Peers expected to run at once on this machine (they share its cores)."""
+    wrap: Callable[[str, list[str]], list[str]] | None = None
+    """Runs each peer's command line, named by its run, through this (bench attack: a CPU quota,
+    bench/cgroup.py `CpuQuotas.wrap`)."""
     peers: list[PeerProcess] = field(default_factory=list)
 
     def peer_args(self, i: int, n: int, join: str | None) -> list[str]:
@@ -77,8 +81,9 @@ class Swarm:
         # Peers sharing this machine split its cores instead of each taking all of them.
         threads = str(max(1, (os.cpu_count() or 1) // max(self.expected, 1)))
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads)
+        argv = [*self.peer_args(i, n, join), *(extra or [])]
         proc = subprocess.Popen(
-            [*self.peer_args(i, n, join), *(extra or [])],
+            self.wrap(f"{self.base}-peer{i}", argv) if self.wrap else argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
