@@ -27,8 +27,8 @@ def test_toml_then_overrides(tmp_path: Path):
         ("--train.steps=2.5", "train.steps expects"),
         ("--nosection.x=1", "unknown setting nosection"),
         ("--train.lr=0", "train.lr must be positive"),
-        ("--peer.follow_ratio=1", "peer.follow_ratio must be at least 0 and below 1"),
-        ("--peer.follow_ratio=-0.1", "peer.follow_ratio must be at least 0 and below 1"),
+        ("--peer.follow_ratio=0.6", r"peer.follow_ratio must be in \[0.0, 0.5\], got 0.6"),
+        ("--peer.follow_ratio=-0.1", r"peer.follow_ratio must be in \[0.0, 0.5\], got -0.1"),
         ("--peer.follow_ratio=nan", "peer.follow_ratio must be a finite number"),
     ],
 )
@@ -50,3 +50,12 @@ def test_override_syntax():
     assert parse_overrides(["--a.b=1", "--a.c", "2"]) == {"a": {"b": "1", "c": "2"}}
     with pytest.raises(AtomError, match="unrecognized argument"):
         parse_overrides(["--steps=3"])
+
+
+def test_the_follow_ratio_defaults_to_the_rule_s_bar_and_is_off_undefended():
+    from atomtrain.config import PeerSection
+    from atomtrain.peer.bounds import NO_DEFENCE, Defence
+    from atomtrain.peer.exclusion import FOLLOW_RATIO
+
+    assert PeerSection().follow_ratio == Defence().follow == FOLLOW_RATIO
+    assert NO_DEFENCE.follow == 0.0

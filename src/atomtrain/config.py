@@ -19,7 +19,6 @@ from typing import Any
 
 from atomtrain.errors import AtomError
 from atomtrain.optim import AdamWConfig
-from atomtrain.peer.exclusion import FOLLOW_RATIO
 from atomtrain.train.config import TrainConfig
 
 if sys.version_info >= (3, 11):
@@ -195,7 +194,7 @@ class PeerSection:
     """With `defend`: a second member recomputes each span of every round (peer/audit.py), so a
     reducer that lies is caught; each reducer forwards the parts it combined, about 1.7x the
     bytes of a round with 4 members."""
-    follow_ratio: float = FOLLOW_RATIO
+    follow_ratio: float = 0.3
     """With `defend`: leave out for a while a member whose update follows this peer's less than
     this share as closely as the other members' do (the median of its last 3 readings; a member
     training on poisoned data). 0 turns it off: do so where honest peers train on very different
@@ -236,10 +235,6 @@ class PeerSection:
         if not (self.start_timeout_s > 0 and math.isfinite(self.start_timeout_s)):
             raise AtomError(
                 f"peer.start_timeout_s must be a positive number, got {self.start_timeout_s}"
-            )
-        if not 0 <= self.follow_ratio < 1:
-            raise AtomError(
-                f"peer.follow_ratio must be at least 0 and below 1, got {self.follow_ratio}"
             )
         if self.target_group_size < 2:
             raise AtomError("peer.target_group_size must be at least 2")

@@ -57,7 +57,9 @@ class Defence:
     others' do is left out for a while (exclusion.FOLLOW_RATIO; 0: never)."""
 
 
-NO_DEFENCE = Defence(clip=math.inf, reject=math.inf, reduced=math.inf, ban=math.inf, audit=False)
+NO_DEFENCE = Defence(
+    clip=math.inf, reject=math.inf, reduced=math.inf, ban=math.inf, audit=False, follow=0.0
+)
 """Nothing clipped or refused for its size: the weighted mean of the finite parts (bench attack's
 lying reducer in an undefended swarm)."""
 
