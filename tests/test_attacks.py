@@ -248,3 +248,24 @@ def test_bench_attack_checks_its_cpu_quota_in_one_line(tmp_path, monkeypatch, ca
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
         assert proc.stderr.strip() == f"atomtrain: error: {message}", value
         assert not (tmp_path / "runs").exists()  # nothing started, nothing removed
+
+
+def test_the_attack_report_replays_the_update_rules_on_the_logged_readings():
+    """follow_replay: the ledger's rules run over each honest peer's logged readings (a round's
+    as one try): the flipper left out once its third round with this peer is over, an honest
+    member that followed weakly in one round of three never, nor anyone in a clean run."""
+    from atomtrain.bench.attack_report import follow_replay
+
+    flipper = run([3.0, 3.0])
+    for k, log in enumerate(flipper.records):
+        other = f"h{1 - k}"
+        for i, r in enumerate(log[:4]):
+            r["round"] = i
+            r["agreement"] = [[other, "id", 0.3 if i == 1 else 0.7], ["a", "idA", 0.02]]
+    report = attack_report([run([3.0, 3.0], None)], {"label_flip": {"defended": [flipper]}}, -0.3)
+    (replay,) = report["attacks"][0]["follow_replay_defended"]
+    assert replay == {"honest_left_out_for_following": 0, "attacker_left_out_at_reading": [3, 3]}
+    assert report["clean_follow_replay"] == [
+        {"honest_left_out_for_following": 0, "attacker_left_out_at_reading": [None, None]}
+    ]
+    assert follow_replay(flipper) == replay

@@ -12,6 +12,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from atomtrain.peer.exclusion import FOLLOW_WHY, LeftOut
+
 Records = list[dict[str, Any]]
 
 
@@ -181,6 +183,50 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
     return out
 
 
+def follow_replay(run: SwarmRun) -> dict[str, Any]:
+    """The update rules (exclusion.LeftOut: opposing, following) replayed on each honest peer's
+    readings as its metrics kept them (a round's readings as one try, each member's best: the
+    tries of a round may share a step): how many honest members the replay leaves out for not
+    following (`honest_left_out_for_following`), and at which of each honest peer's readings of
+    the attacker it leaves it out by either rule (`attacker_left_out_at_reading`; null: never),
+    so the rule's margins can be checked on any run's metrics."""
+    honest_named, attacker_at = 0, []
+    for log in run.records:
+        named, at = _replayed(log, run.attacker)
+        attacker_at.append(at)
+        honest_named += sum(
+            1 for peer, why in named.items() if peer in run.honest and why.startswith(FOLLOW_WHY)
+        )
+    return {
+        "honest_left_out_for_following": honest_named,
+        "attacker_left_out_at_reading": attacker_at,
+    }
+
+
+def _replayed(log: list[dict], attacker: str | None) -> tuple[dict[str, str], int | None]:
+    """(member -> why the replay left it out first, the reading of `attacker` at which it was)
+    for one honest peer's metrics."""
+    rows: dict[int, dict[str, float]] = {}
+    for r in log:
+        for who, _, cosine in r.get("agreement", ()):
+            row = rows.setdefault(int(r.get("round", 0)), {})
+            row[who] = max(row.get(who, -math.inf), float(cosine))
+    named: dict[str, str] = {}
+    ledger = LeftOut(
+        lambda peer, why, kind: kind == "stall" and named.setdefault(peer, why),
+        lambda peer: False,
+    )
+    readings, at = 0, None
+    for rnd in [*sorted(rows), None]:
+        ledger.next_round()  # (judges the round before)
+        if at is None and attacker in named:
+            at = readings
+        if rnd is not None:
+            readings += attacker in rows[rnd]
+            ledger.readings(rows[rnd])
+    return named, at
+
+
 def spread(values: list[float | None]) -> dict[str, Any]:
     ranked = [math.inf if v is None else v for v in values]
     med = statistics.median(ranked) if ranked else math.inf
@@ -220,12 +266,14 @@ def attack_report(
                 "failed_round_s_defended": [failed_round_s(r) for r in defended],
                 "lost_attempt_cost_defended": [lost_attempt_cost(r) for r in defended],
                 "agreement_defended": [agreement(r, threshold) for r in defended],
+                "follow_replay_defended": [follow_replay(r) for r in defended],
             }
         )
     return {
         "clean_final_loss": clean_loss,
         "clean_rounds_applied": [rounds_applied(r) for r in clean],
         "clean_agreement": [agreement(r, threshold) for r in clean],
+        "clean_follow_replay": [follow_replay(r) for r in clean],
         "clean_lost_attempt_cost": [lost_attempt_cost(r) for r in clean],
         "opposed_cosine": threshold,
         "attacks": attacks,
@@ -252,6 +300,9 @@ def attack_report(
             "its whole wall time over that median (n, median, max; a stall should cost at most "
             "one round); agreement, per seed: the cosines the honest peers' reducers read of the "
             "attacker's update and of each other's against their own (n, min, median, max), "
-            "and how many honest readings fell below opposed_cosine"
+            "and how many honest readings fell below opposed_cosine; follow_replay, per seed: "
+            "the update rules replayed on the honest peers' logged readings (a round's as one "
+            "try): honest members the follow rule would leave out, and at which of each honest "
+            "peer's readings of the attacker either rule would leave it out (null: never)"
         ),
     }

@@ -90,12 +90,13 @@ member training on poisoned data (bench attack's label flip) reads about 0 again
 members' typical 0.5-0.8, and seldom below OPPOSED_COSINE (-0.53 once in 88 readings, run B).
 The default of `peer.follow_ratio` (0: no such rule). Replayed on the readings of the bench
 attack runs kept on the development machine (the honest peers' metrics; a round's tries as one
-reading, the best; not committed): over 492 honest reader-member pairs (clean, stall,
-DHT-overwrite, ALIE, label-flip, stale-model, IPM and sign-flip swarms at 41e92d9 and before),
-no median of 3 had both a ratio below 0.5 and a cosine below 0.2 (the lowest ratio 0.48, the
-lowest cosine 0.19, in different windows); the label flipper (4 runs of a seed, 3 seeds) was
-under both bars at the third reading of 9 honest readers of 11 and at the fourth of the other
-2; ALIE (z = 1) after 3 to 24 readings, by 6 readers of 9. Untested: members training on
+reading, the best; not committed): over 528 honest reader-member pairs (clean, stall,
+DHT-overwrite, ALIE, label-flip and stale-model swarms, and one seed of IPM, at 0e4389e and
+before), no median of 3 had both a ratio below 0.5 and a cosine below 0.2 (the lowest ratio
+0.46, the lowest cosine 0.19, in other windows); the label flipper (3 seeds at 41e92d9, 3 at
+0e4389e) was under both bars at the third reading of 16 honest readers of 18 and at the
+fourth of the other 2; ALIE (z = 1, 3 seeds at 41e92d9) after 3 to 24 readings, by 6 readers
+of 9. Untested: members training on
 different data (relative to the closest member, so the ratio falls with every member's
 agreement where all agree less, but a member far from all the others, say in another language,
 reads as the label flipper does: nothing in an update tells them apart; set the ratio to 0
@@ -105,6 +106,8 @@ FOLLOW_COSINE = 0.1
 """...and its own cosine with this peer's below this, in the median of the same readings: the
 ratio alone would name an honest member wherever the closest member agrees far more than any
 update does with another (a colluder sending the swarm's last average)."""
+FOLLOW_WHY = "sent updates that followed this peer's little"
+"""How a member left out by the follow rule is named (its figures follow)."""
 FOLLOW_WITHIN = 3
 """The readings whose medians are judged: one odd honest update among them names no one, and a
 member training on poisoned data is left out at its third reading."""
@@ -225,9 +228,8 @@ class LeftOut:
             cosine = statistics.median(c for _, c in recent)
             if ratio < self._follow and cosine < FOLLOW_COSINE:
                 why = (
-                    f"sent updates that followed this peer's little (cosine {cosine:.2f}, "
-                    f"{ratio:.2f} of the closest member's, the medians of its last "
-                    f"{len(recent)} readings)"
+                    f"{FOLLOW_WHY} (cosine {cosine:.2f}, {ratio:.2f} of the closest member's, "
+                    f"the medians of its last {len(recent)} readings)"
                 )
                 self._left_out_for_its_updates(peer_id, why)
 
