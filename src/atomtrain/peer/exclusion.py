@@ -96,12 +96,12 @@ before), no median of 3 had both a ratio below 0.5 and a cosine below 0.2 (the l
 0.46, the lowest cosine 0.19, in other windows); the label flipper (3 seeds at 41e92d9, 3 at
 0e4389e) was under both bars at the third reading of 16 honest readers of 18 and at the
 fourth of the other 2; ALIE (z = 1, 3 seeds at 41e92d9) after 3 to 24 readings, by 6 readers
-of 9. Untested: members training on
-different data (relative to the closest member, so the ratio falls with every member's
-agreement where all agree less, but a member far from all the others, say in another language,
-reads as the label flipper does: nothing in an update tells them apart; set the ratio to 0
-there), peers of very different speeds (a slow peer's update of few steps agrees less), long
-runs, larger swarms (smaller spans), the 4-bit codec."""
+of 9 (bench attack's `follow_replay` replays the rules on any run's metrics). Untested: members
+training on different data (relative to the closest member, so the ratio falls with every
+member's agreement where all agree less, but a member far from all the others, say in another
+language, reads as the label flipper does: nothing in an update tells them apart; set the
+ratio to 0 there), peers of very different speeds (a slow peer's update of few steps agrees
+less), long runs, larger swarms (smaller spans), the 4-bit codec."""
 FOLLOW_COSINE = 0.1
 """...and its own cosine with this peer's below this, in the median of the same readings: the
 ratio alone would name an honest member wherever the closest member agrees far more than any
