@@ -202,6 +202,7 @@ def test_each_peer_of_an_attack_swarm_runs_under_its_own_cpu_quota(tmp_path):
 
     quotas = CpuQuotas(0.5, root=tmp_path)  # the groups' files only, no cgroup mounted here
     swarm = _swarm(quotas, "s", tmp_path / "out", "s0-clean-defended", [], expected=4)
+    assert swarm.threads == 1  # as many as the quota has whole cores, at least one
     swarm.peer_args = lambda i, n, join: [sys.executable, "-c", "import os; print(os.getpid())"]
     peers = [swarm.launch(i, 2, None) for i in range(2)]
     for peer in peers:
@@ -225,16 +226,20 @@ def test_bench_attack_checks_its_cpu_quota_in_one_line(tmp_path, monkeypatch, ca
     from atomtrain.cli import bench_cmd
 
     monkeypatch.setattr(cgroup, "cpu_cgroups_usable", lambda root=None: True)
-    assert bench_cmd._cpu_per_peer("auto", 4) == round((os.cpu_count() or 1) / 4, 3)
+    cores = len(os.sched_getaffinity(0))
+    assert bench_cmd._cpu_per_peer("auto", 4) == round(cores / 4, 3)
     assert bench_cmd._cpu_per_peer("0.25", 4) == 0.25
     monkeypatch.setattr(cgroup, "cpu_cgroups_usable", lambda root=None: False)
     assert bench_cmd._cpu_per_peer("auto", 4) == 0.0
     assert "no CPU quotas" in capsys.readouterr().err
     assert bench_cmd._cpu_per_peer("0", 4) == 0.0
+    wrong = f"--cpu-per-peer must be auto, 0 or 0.01-{cores} cores, got"
     for value, message in (
-        ("-1", "--cpu-per-peer must be auto or a number of cores >= 0, got '-1'"),
-        ("lots", "--cpu-per-peer must be auto or a number of cores >= 0, got 'lots'"),
-        ("inf", "--cpu-per-peer must be auto or a number of cores >= 0, got 'inf'"),
+        ("-1", f"{wrong} '-1'"),
+        ("lots", f"{wrong} 'lots'"),
+        ("inf", f"{wrong} 'inf'"),
+        ("0.001", f"{wrong} '0.001'"),  # under the kernel's least quota
+        (str(cores + 1), f"{wrong} '{cores + 1}'"),
         ("0.5", "--cpu-per-peer needs root and cgroup v1 `cpu` mounted read-write"),
     ):
         code = (
@@ -251,9 +256,11 @@ def test_bench_attack_checks_its_cpu_quota_in_one_line(tmp_path, monkeypatch, ca
 
 
 def test_the_attack_report_replays_the_update_rules_on_the_logged_readings():
-    """follow_replay: the ledger's rules run over each honest peer's logged readings (a round's
-    as one try): the flipper left out once its third round with this peer is over, an honest
-    member that followed weakly in one round of three never, nor anyone in a clean run."""
+    """follow_replay: the ledger's rules run over each honest peer's logged readings: the
+    flipper left out once its third round with this peer is over, an honest member that
+    followed weakly in one round of three never (it is judged: another member reaches the
+    floor), nor anyone in a clean run; a member read twice in one record is two tries, each
+    judged by the opposing rule (one far below names it at once, whatever the other)."""
     from atomtrain.bench.attack_report import follow_replay
 
     flipper = run([3.0, 3.0])
@@ -261,7 +268,11 @@ def test_the_attack_report_replays_the_update_rules_on_the_logged_readings():
         other = f"h{1 - k}"
         for i, r in enumerate(log[:4]):
             r["round"] = i
-            r["agreement"] = [[other, "id", 0.3 if i == 1 else 0.7], ["a", "idA", 0.02]]
+            r["agreement"] = [
+                [other, "id", 0.15 if i == 1 else 0.7],
+                ["c", "idC", 0.7],
+                ["a", "idA", 0.02],
+            ]
     report = attack_report([run([3.0, 3.0], None)], {"label_flip": {"defended": [flipper]}}, -0.3)
     (replay,) = report["attacks"][0]["follow_replay_defended"]
     assert replay == {"honest_left_out_for_following": 0, "attacker_left_out_at_reading": [3, 3]}
@@ -269,3 +280,13 @@ def test_the_attack_report_replays_the_update_rules_on_the_logged_readings():
         {"honest_left_out_for_following": 0, "attacker_left_out_at_reading": [None, None]}
     ]
     assert follow_replay(flipper) == replay
+    for log in flipper.records:  # an honest member far off in two rounds of three: left out
+        log[1]["agreement"][0][2] = log[2]["agreement"][0][2] = 0.05
+    assert follow_replay(flipper)["honest_left_out_for_following"] == 2
+    opposed = run([3.0, 3.0])
+    for log in opposed.records:
+        log[0]["round"] = 0
+        log[0]["agreement"] = [
+            ["c", "idC", 0.7], ["a", "idA", -0.6], ["c", "idC", 0.7], ["a", "idA", 0.2],
+        ]  # fmt: skip
+    assert follow_replay(opposed)["attacker_left_out_at_reading"] == [1, 1]

@@ -195,10 +195,10 @@ class PeerSection:
     reducer that lies is caught; each reducer forwards the parts it combined, about 1.7x the
     bytes of a round with 4 members."""
     follow_ratio: float = 0.3
-    """With `defend`: leave out for a while a member whose update follows this peer's less than
-    this share as closely as the other members' do (the median of its last 3 readings; a member
-    training on poisoned data). 0 turns it off: do so where honest peers train on very different
-    data (peer/exclusion.py, FOLLOW_RATIO)."""
+    """With `defend`: leave out for a while a member whose update follows this peer's little: in
+    the medians of its last 3 rounds' readings, a cosine below 0.1 and below this share of the
+    closest other member's (a member training on poisoned data). At most 0.5; 0 turns it off: do
+    so where honest peers train on very different data (peer/exclusion.py, FOLLOW_RATIO)."""
     attack: str = ""
     """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale,
     push: a directed push with inflated token counts)."""

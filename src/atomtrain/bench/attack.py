@@ -10,6 +10,7 @@ Every peer is a real `atomtrain train --swarm` process on 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -46,9 +47,10 @@ class AttackConfig:
     """Cores each peer process may use (a cgroup CPU quota, bench/cgroup.py), the same in every
     swarm; 0: no quota. Without one, the peers share the machine's cores, and an attack's swarm
     has one process more than the clean one (the attacker, which trains on after it is banned),
-    so its honest peers train more slowly, land more rounds per step and end at another loss:
-    on 2 cores the DHT overwrite's honest peers took 95-107 s for 600 steps against 56-66 s,
-    landed 31-33 rounds against 20-26, and ended 2-6% above the clean swarm (run Q8, README)."""
+    so its honest peers train more slowly and land more rounds per step: on 2 cores the DHT
+    overwrite's honest peers took 95-107 s for 600 steps against 56-66 s, applied 29-33 rounds
+    against 20-24, and ended 2-6% above the clean swarm (run Q8; whether for that is not
+    settled, README)."""
     overrides: tuple[str, ...] = (
         "--model.preset=small",
         "--data.seq_len=64",
@@ -69,14 +71,20 @@ class AttackConfig:
 def _swarm(
     quotas: CpuQuotas | None, name: str, out: Path, base: str, overrides: list[str], **kw
 ) -> Swarm:
-    """A swarm whose peers each run under their own CPU quota, where there are quotas."""
-    return Swarm(name, out, base, overrides, wrap=quotas.wrap if quotas else None, **kw)
+    """A swarm whose peers each run under their own CPU quota, with as many threads as it
+    allows whole cores (at least one), where there are quotas."""
+    if quotas is None:
+        return Swarm(name, out, base, overrides, **kw)
+    threads = max(1, math.ceil(quotas.cores))
+    return Swarm(name, out, base, overrides, wrap=quotas.wrap, threads=threads, **kw)
 
 
 def _release(quotas: CpuQuotas | None, swarm: Swarm) -> None:
     """The stopped swarm's CPU groups removed (anything left in them killed)."""
-    for peer in swarm.peers if quotas else ():
-        quotas.release(f"{swarm.base}-peer{peer.index}")  # type: ignore[union-attr]
+    if quotas is None:
+        return
+    for peer in swarm.peers:
+        quotas.release(f"{swarm.base}-peer{peer.index}")
 
 
 def _wait(swarm: Swarm, timeout_s: float) -> None:

@@ -172,7 +172,7 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
                 "max": ordered[-1]}  # fmt: skip
 
     readings = [
-        (who, c) for log in run.records for r in log for who, _, c in r.get("agreement", ())
+        (who, c) for log in run.records for r in log for who, _, c, *_ in r.get("agreement", ())
     ]
     honest = [c for who, c in readings if who in run.honest]
     out = {"honest": summary(honest), "honest_below": sum(1 for c in honest if c < threshold)}
@@ -185,11 +185,13 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
 
 def follow_replay(run: SwarmRun) -> dict[str, Any]:
     """The update rules (exclusion.LeftOut: opposing, following) replayed on each honest peer's
-    readings as its metrics kept them (a round's readings as one try, each member's best: the
-    tries of a round may share a step): how many honest members the replay leaves out for not
-    following (`honest_left_out_for_following`), and at which of each honest peer's readings of
-    the attacker it leaves it out by either rule (`attacker_left_out_at_reading`; null: never),
-    so the rule's margins can be checked on any run's metrics."""
+    readings as its metrics kept them: how many honest (reader, member) pairs the replay leaves
+    out for not following (`honest_left_out_for_following`), and at which of each honest peer's
+    logged readings of the attacker it leaves it out by either rule
+    (`attacker_left_out_at_reading`; null: never). Approximate: the metrics keep no try or
+    round-begun count, so a record's readings are taken as one try (a member read twice in one
+    record starts another), a round as the records of one applied-round count (a failed
+    round's readings go with the next), and exclusions for stalls are not replayed."""
     honest_named, attacker_at = 0, []
     for log in run.records:
         named, at = _replayed(log, run.attacker)
@@ -203,27 +205,40 @@ def follow_replay(run: SwarmRun) -> dict[str, Any]:
     }
 
 
+def _tries(log: list[dict]) -> list[tuple[int, dict[str, float]]]:
+    """(applied-round count, {member: cosine}) per try, as far as the records tell them apart."""
+    tries: list[tuple[int, dict[str, float]]] = []
+    for r in log:
+        row: dict[str, float] = {}
+        for who, _, cosine, *_ in r.get("agreement", ()):
+            if who in row:  # read twice in one record: another try
+                tries.append((int(r.get("round", 0)), row))
+                row = {}
+            row[who] = float(cosine)
+        if row:
+            tries.append((int(r.get("round", 0)), row))
+    return tries
+
+
 def _replayed(log: list[dict], attacker: str | None) -> tuple[dict[str, str], int | None]:
     """(member -> why the replay left it out first, the reading of `attacker` at which it was)
     for one honest peer's metrics."""
-    rows: dict[int, dict[str, float]] = {}
-    for r in log:
-        for who, _, cosine in r.get("agreement", ()):
-            row = rows.setdefault(int(r.get("round", 0)), {})
-            row[who] = max(row.get(who, -math.inf), float(cosine))
     named: dict[str, str] = {}
-    ledger = LeftOut(
-        lambda peer, why, kind: kind == "stall" and named.setdefault(peer, why),
-        lambda peer: False,
-    )
-    readings, at = 0, None
-    for rnd in [*sorted(rows), None]:
-        ledger.next_round()  # (judges the round before)
+
+    def tell(peer: str, why: str, kind: str) -> None:
+        if kind == "stall":
+            named.setdefault(peer, why)
+
+    ledger = LeftOut(tell, lambda peer: False)
+    readings, at, current = 0, None, None
+    for rnd, row in [*_tries(log), (None, {})]:
+        if rnd != current or rnd is None:
+            ledger.next_round()  # (judges the round before)
+            current = rnd
         if at is None and attacker in named:
             at = readings
-        if rnd is not None:
-            readings += attacker in rows[rnd]
-            ledger.readings(rows[rnd])
+        readings += attacker in row
+        ledger.readings(row)
     return named, at
 
 
@@ -301,8 +316,9 @@ def attack_report(
             "one round); agreement, per seed: the cosines the honest peers' reducers read of the "
             "attacker's update and of each other's against their own (n, min, median, max), "
             "and how many honest readings fell below opposed_cosine; follow_replay, per seed: "
-            "the update rules replayed on the honest peers' logged readings (a round's as one "
-            "try): honest members the follow rule would leave out, and at which of each honest "
-            "peer's readings of the attacker either rule would leave it out (null: never)"
+            "the update rules replayed, approximately, on the honest peers' logged readings (a "
+            "record's as one try, a round as one applied-round count): honest (reader, member) "
+            "pairs the follow rule would leave out, and at which of each honest peer's logged "
+            "readings of the attacker either rule would leave it out (null: never)"
         ),
     }

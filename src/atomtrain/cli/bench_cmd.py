@@ -77,8 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="cores each peer process may use, the same in every swarm (a cgroup CPU quota: "
         "root and cgroup v1 `cpu`); 0: none, the peers share the machine's cores; auto "
-        "(default): this machine's cores over the peers of an attack's swarm where quotas can "
-        "be set, else none",
+        "(default): the cores this process may use over the processes of the largest swarm "
+        "(4; 6 with the sybil) where quotas can be set, else none",
     )
     a.add_argument("--out-dir", default="runs/bench-attack", help="where the peers' runs go")
     a.set_defaults(func=run_attack)
@@ -221,16 +221,19 @@ def run_churn(args: argparse.Namespace, _extra: list[str]) -> int:
 
 
 def _cpu_per_peer(value: str, peers: int) -> float:
-    """`--cpu-per-peer` as cores: `auto` splits this machine's among `peers` where CPU quotas
-    can be set (and says so where they cannot)."""
+    """`--cpu-per-peer` as cores: `auto` splits the cores this process may run on among `peers`
+    (the largest swarm's processes) where CPU quotas can be set, and says so where they cannot;
+    a number must lie between 0.01 (the kernel's least quota is 1 ms of a 100 ms period) and
+    those cores, or be 0 (none)."""
     import os
 
     from atomtrain.bench.cgroup import cpu_cgroups_usable
     from atomtrain.errors import AtomError
 
+    cores_here = len(os.sched_getaffinity(0))
     if value == "auto":
         if cpu_cgroups_usable():
-            return round((os.cpu_count() or 1) / peers, 3)
+            return round(cores_here / peers, 3)
         print(
             "[bench attack] no CPU quotas (they need root and cgroup v1 `cpu`): the peers share "
             "this machine's cores, and an attack's swarm has one process more than the clean one",
@@ -241,8 +244,8 @@ def _cpu_per_peer(value: str, peers: int) -> float:
         cores = float(value)
     except ValueError:
         cores = math.nan
-    if not (cores >= 0 and math.isfinite(cores)):
-        raise AtomError(f"--cpu-per-peer must be auto or a number of cores >= 0, got {value!r}")
+    if not (cores == 0 or 0.01 <= cores <= cores_here):
+        raise AtomError(f"--cpu-per-peer must be auto, 0 or 0.01-{cores_here} cores, got {value!r}")
     if cores > 0 and not cpu_cgroups_usable():
         raise AtomError("--cpu-per-peer needs root and cgroup v1 `cpu` mounted read-write")
     return cores
@@ -267,7 +270,10 @@ def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
     ):
         if value < 1:
             raise AtomError(f"{flag} must be at least 1, got {value}")
-    cpu = _cpu_per_peer(args.cpu_per_peer, AttackConfig.honest + 1)
+    from atomtrain.bench.attack import SYBILS
+
+    most = AttackConfig.honest + 1 + (SYBILS if "sybil" in attacks else 0)  # the largest swarm
+    cpu = _cpu_per_peer(args.cpu_per_peer, most)
     out = Path(args.out_dir)
     shutil.rmtree(out, ignore_errors=True)
     cfg = AttackConfig(

@@ -53,8 +53,9 @@ class Defence:
     """A second member recomputes each span's reduction, and every member checks what it
     received against that (audit.py): a reducer that lies is caught the first time."""
     follow: float = FOLLOW_RATIO
-    """A member whose update follows this member's less than this share as closely as the
-    others' do is left out for a while (exclusion.FOLLOW_RATIO; 0: never)."""
+    """A member whose update follows this member's little (a cosine below FOLLOW_COSINE and below
+    this share of the closest other member's, in the medians of its last 3 rounds) is left out
+    for a while (exclusion.FOLLOW_RATIO; 0: never)."""
 
 
 NO_DEFENCE = Defence(

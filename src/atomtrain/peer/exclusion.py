@@ -116,7 +116,9 @@ FOLLOW_FLOOR = 0.2
 who follows it (this peer's own update follows no one: its first steps after a
 re-synchronization, or members whose data differ too much for any to follow another) and
 counts for no member. The closest other member, not the median: two colluders in a group of
-four could otherwise pull the median under it and never be read."""
+four could otherwise pull the median under it and never be read. (A group of three holding
+this peer and two colluders that both follow no one is such a try: they are read only in
+groups with an honest member.)"""
 
 
 def exclusion_rounds(stalls: int, first: int = STALL_ROUNDS) -> int:

@@ -49,6 +49,8 @@ class Swarm:
     wrap: Callable[[str, list[str]], list[str]] | None = None
     """Runs each peer's command line, named by its run, through this (bench attack: a CPU quota,
     bench/cgroup.py `CpuQuotas.wrap`)."""
+    threads: int = 0
+    """Threads each peer's torch uses (0: the machine's cores over `expected`)."""
     peers: list[PeerProcess] = field(default_factory=list)
 
     def peer_args(self, i: int, n: int, join: str | None) -> list[str]:
@@ -79,8 +81,8 @@ class Swarm:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "w")  # noqa: SIM115 (the child process writes it; closed below)
         # Peers sharing this machine split its cores instead of each taking all of them.
-        threads = str(max(1, (os.cpu_count() or 1) // max(self.expected, 1)))
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads)
+        threads = self.threads or max(1, (os.cpu_count() or 1) // max(self.expected, 1))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
         argv = [*self.peer_args(i, n, join), *(extra or [])]
         proc = subprocess.Popen(
             self.wrap(f"{self.base}-peer{i}", argv) if self.wrap else argv,

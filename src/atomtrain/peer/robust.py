@@ -35,9 +35,9 @@ Each reducer also measures, over the update parts of its span, how each other me
 agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member whose update points
 against this one's round after round, or far against it once, is left out for a while
 (exclusion.py, OPPOSED_COSINE, STRONGLY_OPPOSED_COSINE), though clipping already bounds what it
-moves each round; so is one whose update follows this one's far less closely than the others'
-do (`peer.follow_ratio`: a member training on poisoned data). A member that brings its weight
-average to its last round reads no one (guarded.reads_members: no `on_agreement`).
+moves each round; so is one whose update follows this one's little, far less than another
+member's does (`peer.follow_ratio`: a member training on poisoned data). A member that brings
+its weight average to its last round reads no one (guarded.reads_members: no `on_agreement`).
 
 A reducer can lie too: every member checks the averaged parts it receives (bounds.py). With three or
 more members in sync (reducer_bounds), within `reduced` times a typical update and its own part of
