@@ -291,12 +291,14 @@ def main() -> None:
         silent_member_patches()
     if attack == "withhold" and index == ATTACKER:
         withheld_span_patches()
-    if attack in ("withhold", "stall"):  # how each round ended early, and was tried again,
-        handler = logging.StreamHandler(sys.stdout)  # into this peer's log
+    if attack in ("withhold", "stall", "late_joiner"):  # how each round ended early, and was
+        handler = logging.StreamHandler(sys.stdout)  # tried again, into this peer's log
         handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
         for name in ("atomtrain.peer.exact", "atomtrain.peer.guarded"):
             logging.getLogger(name).addHandler(handler)
             logging.getLogger(name).setLevel(logging.INFO)
+        # and why an exchange with a reducer failed (hivemind says so at DEBUG only)
+        logging.getLogger("hivemind.averaging.allreduce").setLevel(logging.DEBUG)
     gate = MemberGate(KEY, "atk")
     if attack == "banned_by_0":
         if index == ATTACKER:
