@@ -489,6 +489,127 @@ def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp
             dht.shutdown()
 
 
+async def _store_at(
+    _dht, node, to: str, key: str, subkey: bytes, value: object, expiration: float
+) -> None:
+    """A record (signed by no one) sent in a store request to the one node `to` only."""
+    await node.protocol.call_store(
+        PeerID.from_base58(to),
+        [DHTID.generate(source=key)],
+        [MSGPackSerializer.dumps(value)],
+        [expiration],
+        subkeys=[subkey],
+    )
+
+
+def test_a_forger_that_one_node_caught_is_named_by_every_node_its_evidence_reaches(
+    tmp_path: Path,
+):
+    """A forged store reaches only the nodes its sender sends it to (bench attack's F1, seed 1:
+    one honest node of three got none and never named the overwriter). The node that refused it
+    shows the request as its sender signed it, in the DHT (forgers.py); another node, sent no
+    forged record, checks it and names the forger too."""
+    key = SwarmKey(secrets.token_bytes(32))
+    host_m = Membership.of_owner(key, "host", RSAPrivateKey())
+    carol_m, carol_id = admit(key, tmp_path, "carol")
+    mallory_m, mallory_id = admit(key, tmp_path, "mallory")
+    host = start_dht(host_m, [])
+    addrs = [str(a) for a in host.get_visible_maddrs()]
+    carol = start_dht(carol_m, addrs, carol_id)
+    mallory = start_dht(mallory_m, addrs, mallory_id)
+    dhts = (host, carol, mallory)
+    try:
+        for dht, m in ((host, host_m), (carol, carol_m), (mallory, mallory_m)):
+            declare_member(dht, SWARM, m, dht.peer_id, wait=True)
+        hid = host.peer_id.to_base58()
+        assert publish(host, SWARM, own_subkey(host_m.private_key), status("host", hid, 5)).result()
+        for dht in dhts:  # nothing to show yet: nothing named
+            auth.share_evidence(dht, SWARM).result()
+            assert read_forgers(dht).result() == {}
+        forged = {**status("host", hid, 10**6).__dict__, "done": True, "addrs": [], "rejected": []}
+        mallory.run_coroutine(
+            partial(
+                _store_at,
+                to=carol.peer_id.to_base58(),
+                key=status_key(SWARM),
+                subkey=own_subkey(host_m.private_key),
+                value=forged,
+                expiration=get_dht_time() + 600,
+            )
+        )
+        assert list(read_forgers(carol).result()) == [mallory_m.public_key]
+        assert read_forgers(host).result() == {}  # sent nothing
+        auth.share_evidence(carol, SWARM).result()  # carol shows its evidence
+        auth.share_evidence(host, SWARM).result()  # the host reads and checks it
+        named = read_forgers(host).result()
+        assert list(named) == [mallory_m.public_key], named
+        member, why = named[mallory_m.public_key]
+        assert member == "mallory" and "could not have signed" in why and "shown" in why
+        # the host's DHT node refuses mallory from then on
+        assert mallory.run_coroutine(partial(_find_at, peer=hid, key=status_key(SWARM))) is None
+        assert carol.run_coroutine(partial(_find_at, peer=hid, key=status_key(SWARM)))
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+
+
+def test_evidence_of_a_forger_names_only_the_member_whose_signed_request_carries_a_forgery(
+    tmp_path: Path,
+):
+    """forgers.forger_shown: a store request its sender signed, carrying a record under another
+    member's subkey that member did not sign, names the sender (by the key its certificate
+    binds); an honest member's signed request, a forged one whose certificate was swapped for
+    another member's, one whose signature was altered, one from another swarm's member, and
+    bytes that are no request name no one."""
+    from atomtrain.peer.auth import SwarmAuthorizer
+    from atomtrain.peer.forgers import evidence_of, forger_shown
+
+    key = SwarmKey(secrets.token_bytes(32))
+    host_m = Membership.of_owner(key, "host", RSAPrivateKey())
+    carol_m = Membership.of_owner(key, "carol", RSAPrivateKey())
+    mallory_m = Membership.of_owner(key, "mallory", RSAPrivateKey())
+    stranger_m = Membership.of_owner(SwarmKey(secrets.token_bytes(32)), "x", RSAPrivateKey())
+    checker = host_m.validators(SWARM)[-1]
+    key_id = DHTID.generate(source=status_key(SWARM)).to_bytes()
+    expires = get_dht_time() + 60
+
+    def record(owner: Membership, signer: Membership, value: object) -> tuple[bytes, bytes]:
+        """(subkey, value): `value` under `owner`'s subkey, signed by `signer`'s key."""
+        subkey = own_subkey(owner.private_key)
+        tag = MSGPackSerializer.dumps(subkey)
+        raw = DHTRecord(key_id, tag, MSGPackSerializer.dumps(value), expires)
+        return tag, signer.validators(SWARM)[-1].sign_value(raw)
+
+    def request(sender: Membership, tag: bytes, value: bytes) -> tuple[object, bytes]:
+        req = dht_pb2.StoreRequest(
+            keys=[key_id], subkeys=[tag], values=[value], expiration_time=[expires]
+        )
+        asyncio.run(SwarmAuthorizer(sender).sign_request(req, None))
+        return req, bytes(req.auth.signature)
+
+    def shown(req: object, signature: bytes) -> tuple[str, str] | None:
+        evidence = evidence_of(req, signature)
+        assert evidence is not None
+        return forger_shown(evidence, key.owner(), checker)
+
+    # mallory's key signs a record under carol's subkey: forged
+    forged_req, forged_sig = request(mallory_m, *record(carol_m, mallory_m, {"round": 9}))
+    assert shown(forged_req, forged_sig) == (mallory_m.public_key, "mallory")
+    # carol's own record, signed by her: honest
+    assert shown(*request(carol_m, *record(carol_m, carol_m, {"round": 1}))) is None
+    # the forged request with carol's certificate in place of mallory's: its signature fails
+    framed = dht_pb2.StoreRequest()
+    framed.CopyFrom(forged_req)
+    carol_req, _ = request(carol_m, *record(carol_m, carol_m, {"round": 1}))
+    framed.auth.client_access_token.CopyFrom(carol_req.auth.client_access_token)
+    assert shown(framed, forged_sig) is None
+    assert shown(forged_req, bytes(b ^ 1 for b in forged_sig)) is None
+    # another swarm's member forging: its certificate is not this owner's
+    assert shown(*request(stranger_m, *record(carol_m, stranger_m, {"round": 9}))) is None
+    for junk in (b"", b"\xff" * 100, "text", None):
+        assert forger_shown(junk, key.owner(), checker) is None
+
+
 @pytest.mark.parametrize("how", ["key", "subkey"])
 def test_a_record_signed_over_another_encoding_names_its_sender_not_whoever_passes_it_on(
     tmp_path: Path, how: str

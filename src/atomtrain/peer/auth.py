@@ -51,7 +51,15 @@ from atomtrain.peer.certs import (
     read_certificate,
     read_identity,
 )
-from atomtrain.peer.forgers import forged_in_answer, forged_in_store
+from atomtrain.peer.forgers import (
+    EVIDENCE_KEPT,
+    EVIDENCE_TTL_S,
+    evidence_key,
+    evidence_of,
+    forged_in_answer,
+    forged_in_store,
+    forger_shown,
+)
 from atomtrain.peer.records import own_subkey, signer_of, swarm_validators
 
 log = logging.getLogger(__name__)
@@ -85,6 +93,9 @@ ROSTER_READ_S = 10.0
 SEEN_KEPT = 4096
 """Peer IDs whose first request the gate remembers; past that it forgets them all (each then
 costs one more read)."""
+SHOWN_KEPT = 256
+"""Pieces of evidence of forgers (forgers.py) the DHT's gate remembers having checked; past that
+the oldest is checked again when shown again."""
 
 
 @dataclass(frozen=True)
@@ -274,7 +285,11 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         """Peers that sent a record they could not have signed (forgers.py), refused too: the
         RSA public key their certificate binds -> (its member, why). Refused by key, the identity
         that sent it (the averager's ban follows the member, as every ban: guarded.py)."""
+        self.evidence: dict[str, bytes] = {}
+        """The signed store requests that named forgers here (forgers.evidence_of), by the
+        forger's public key: shown to the swarm (`share`)."""
         self._checker = RSASignatureValidator(membership.private_key)
+        self._shown: dict[bytes, None] = {}  # evidence already checked (SHOWN_KEPT latest)
 
     async def get_token(self) -> AccessToken:
         cert = self.membership.certificate()
@@ -295,10 +310,12 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         )
 
     async def validate_request(self, request: Any) -> bool:
+        signature = bytes(request.auth.signature)  # (hivemind's check clears it)
         if not await super().validate_request(request):
             return False
         if forged_in_store(self._checker, request):
-            self._name(request.auth.client_access_token, "asked this peer to store")
+            token = request.auth.client_access_token
+            self._name(token, "asked this peer to store", evidence_of(request, signature))
             return False
         return True
 
@@ -310,18 +327,59 @@ class SwarmAuthorizer(TokenAuthorizerBase):
             return False
         return True
 
-    def _name(self, token: AccessToken, did: str) -> None:
-        """The sender of a forged record (its token was checked: it signed the message)."""
+    def _name(self, token: AccessToken, did: str, evidence: bytes | None = None) -> None:
+        """The sender of a forged record (its token was checked: it signed the message), and
+        the request that shows it (a store's), kept for the swarm."""
         cert = Certificate.from_text(token.username)
         if cert is None or cert.public_key in self.forgers:
             return
         why = f"{did} a DHT record it could not have signed (another member's, or made up)"
         self.forgers[cert.public_key] = (cert.member, why)
         log.warning("member %s %s: refused from now on", cert.member, why)
+        if evidence is not None and len(self.evidence) < EVIDENCE_KEPT:
+            self.evidence[cert.public_key] = evidence
+
+    async def share(self, node: Any, swarm: str) -> None:
+        """Store the evidence this node holds under its own subkey, then name the forgers that
+        the other members' evidence shows (forgers.forger_shown; each piece checked once)."""
+        key, own = evidence_key(swarm), own_subkey(self.membership.private_key)
+        if self.evidence:
+            expires = get_dht_time() + EVIDENCE_TTL_S
+            await node.store(key, list(self.evidence.values()), expires, subkey=own)
+        found = await node.get(key, latest=True)
+        for subkey, item in _entries(found).items():
+            shown = getattr(item, "value", None)
+            if subkey == own or not isinstance(shown, list):
+                continue
+            for evidence in shown[:EVIDENCE_KEPT]:
+                if not isinstance(evidence, bytes) or evidence in self._shown:
+                    continue
+                self._shown[evidence] = None
+                while len(self._shown) > SHOWN_KEPT:
+                    del self._shown[next(iter(self._shown))]
+                named = forger_shown(evidence, self.membership.owner, self._checker)
+                if named is None or named[0] in self.forgers:
+                    continue
+                public_key, member = named
+                why = "asked another node to store a DHT record it could not have signed"
+                self.forgers[public_key] = (member, f"{why} (its signed request, shown)")
+                log.warning("member %s %s: refused from now on", member, why)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         cert = Certificate.from_text(access_token.username)
         return cert is None or cert.expires < time.time() + SELF_CERT_LIFETIME_S / 4
+
+
+async def _share(_dht: Any, node: Any, swarm: str) -> None:
+    authorizer = getattr(node.protocol, "authorizer", None)
+    if isinstance(authorizer, SwarmAuthorizer):
+        await authorizer.share(node, swarm)
+
+
+def share_evidence(dht: Any, swarm: str) -> Any:
+    """A future of this node's evidence of forgers shown to the swarm, and the forgers others'
+    evidence shows named in the DHT's gate (read_forgers then reads them)."""
+    return dht.run_coroutine(partial(_share, swarm=swarm), return_future=True)
 
 
 async def _set_revoked(_dht: Any, node: Any, members: tuple[str, ...]) -> None:

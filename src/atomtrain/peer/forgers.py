@@ -21,10 +21,23 @@ store a record so encoded and pass it on.)
 
 Only signatures count: a record of the wrong shape under the sender's own subkey (a peer of
 another version, say) is refused by the schema check, but names no one.
+
+A forged store reaches only the nodes its sender sends it to (in bench attack's run F1, seed 1,
+one honest node of three received none and never named the forger). So the node that refused it
+keeps the request as its sender signed it (`evidence_of`) and shows it to the swarm: it stores
+its evidence under its own subkey of `{swarm}_forgers` (auth.SwarmAuthorizer.share, as each
+round of its peer begins), and every node reads the others' and names the sender of any request
+that checks (`forger_shown`): a certificate the swarm's owner signed for the key that signed the
+request, and a record in it that this key could not have signed. No one can frame an honest
+member so: that takes a store request its key signed carrying such a record, and no honest node
+sends one. (Answers to a find are not shown: an answer's signature does not cover the request
+it answers, whose keys the check reads, so the asker could pair an honest answer with another
+request.)
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hivemind.dht.crypto import RSASignatureValidator
@@ -33,10 +46,25 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.proto import dht_pb2
+from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.serializer import MSGPackSerializer
+
+from atomtrain.peer.certs import Certificate
 
 FORGERS_READ_S = 5.0
 """The averager's read of the names (a call into the DHT's process) gives up after this long."""
+EVIDENCE_MAX_BYTES = 2**14
+"""The largest signed request a node shows (bench attack's forged stores: about 4 KB, the
+sender's certificate and one record with its own)."""
+EVIDENCE_KEPT = 4
+"""Forgers a node shows evidence of (the first it caught); a record holds no more."""
+EVIDENCE_TTL_S = 60.0
+"""A node's evidence record lives this long; it stores it again as each round of its peer
+begins."""
+
+
+def evidence_key(swarm: str) -> str:
+    return f"{swarm}_forgers"
 
 
 def _signed(checker: RSASignatureValidator, record: DHTRecord) -> bool:
@@ -121,3 +149,44 @@ async def _named(_dht: Any, node: Any) -> dict[str, tuple[str, str]]:
 def read_forgers(dht: Any) -> Any:
     """A future of the peers the DHT's gate named: their public key -> (member, why)."""
     return dht.run_coroutine(_named, return_future=True)
+
+
+def evidence_of(request: Any, signature: bytes) -> bytes | None:
+    """A store request as its sender signed it (hivemind's check cleared its signature), to show
+    the swarm; None when it is larger than EVIDENCE_MAX_BYTES."""
+    shown = dht_pb2.StoreRequest()
+    shown.CopyFrom(request)
+    shown.auth.signature = signature
+    data = shown.SerializeToString()
+    return data if len(data) <= EVIDENCE_MAX_BYTES else None
+
+
+def forger_shown(
+    evidence: Any, owner: str, checker: RSASignatureValidator
+) -> tuple[str, str] | None:
+    """(public key, member) of the sender of the store request `evidence` (evidence_of), when
+    a certificate the owner signed binds that key to a member (expired or not: it was one when
+    it sent the request), the key signed the request, and the request carries a record that
+    key could not have signed (forged_in_store); else None."""
+    if not isinstance(evidence, bytes) or len(evidence) > EVIDENCE_MAX_BYTES:
+        return None
+    try:
+        request = dht_pb2.StoreRequest.FromString(evidence)
+    except Exception:  # (anything at all may be shown)
+        return None
+    token = request.auth.client_access_token
+    cert = Certificate.from_text(token.username)
+    if cert is None or not cert.valid(owner, now=-math.inf):
+        return None
+    if cert.public_key.encode() != bytes(token.public_key):
+        return None
+    signature = bytes(request.auth.signature)
+    request.auth.signature = b""
+    try:
+        key = RSAPublicKey.from_bytes(bytes(token.public_key))
+        signed = key.verify(request.SerializeToString(), signature)
+    except Exception:  # not a key, not a signature
+        return None
+    if not signed or not forged_in_store(checker, request):
+        return None
+    return cert.public_key, cert.member

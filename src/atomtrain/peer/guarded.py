@@ -57,7 +57,7 @@ from atomtrain.peer.assembly import (
 )
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
-from atomtrain.peer.auth import MemberGate
+from atomtrain.peer.auth import MemberGate, share_evidence
 from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_weights
 from atomtrain.peer.download import download_from
 from atomtrain.peer.exact import START_FLOOR_S, ExactAverageRunner, start_timeouts
@@ -367,6 +367,11 @@ class GuardedAverager(DecentralizedAverager):
             if group_id not in self._assembled:  # not (yet) one this member joined
                 graced = asking and time.monotonic() < began + GRACE_S
                 if group_id in self._missed or (sender in self._gave_up_on and not graced):
+                    if group_id not in self._missed:
+                        log.info(
+                            "refusing %s's group: a leader this member gave up on formed it",
+                            sender.to_base58()[-8:],
+                        )
                     self._missed[group_id] = None  # a given-up leader's: it will not come
                     keep_latest(self._missed, HEARD_KEPT)
                     return None
@@ -475,9 +480,13 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _ban_forgers(self) -> None:
         """Ban the peers this peer's DHT node caught sending records they could not have
-        signed (forgers.py), and their members, in the background of a round's matchmaking
-        (a peer whose certificate the roster does not show yet is looked for again next
-        round)."""
+        signed, or saw shown to have sent one (forgers.py), and their members, in the
+        background of a round's matchmaking (a peer whose certificate the roster does not show
+        yet is looked for again next round)."""
+        try:  # this node's evidence shown, the others' read
+            await asyncio.wait_for(share_evidence(self.dht, self._gate.swarm), FORGERS_READ_S)
+        except Exception as e:  # (the DHT's process busy or gone: the next round shares again)
+            log.debug("could not share the evidence of forgers: %r", e)
         try:
             named = await asyncio.wait_for(read_forgers(self.dht), FORGERS_READ_S)
         except Exception as e:  # (the DHT's process busy or gone: the next round reads again)

@@ -18,6 +18,8 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
+from atomtrain.peer.forgers import EVIDENCE_KEPT, EVIDENCE_MAX_BYTES
+
 Number = pydantic.StrictInt | pydantic.StrictFloat
 Text = pydantic.constr(strict=True, max_length=256)
 CertText = pydantic.constr(strict=True, max_length=4096)
@@ -30,6 +32,10 @@ AgreedRound = pydantic.conlist(  # [round, parameters' digest, momentum's digest
     max_items=3,
 )
 AgreedRounds = pydantic.conlist(AgreedRound, max_items=3)
+Evidence = pydantic.conlist(
+    pydantic.conbytes(strict=True, max_length=EVIDENCE_MAX_BYTES),  # type: ignore[arg-type]
+    max_items=EVIDENCE_KEPT,
+)
 
 
 class StatusRecord(pydantic.BaseModel):
@@ -71,6 +77,8 @@ class SwarmRecords(pydantic.BaseModel):
     """The newest owner-signed revocation list each member has seen (any copy will do)."""
     agreed: dict[BytesWithPublicKey, AgreedRounds | None]  # type: ignore[valid-type]
     """Digests of the state each peer held at its last rounds (agreement.py)."""
+    forgers: dict[BytesWithPublicKey, Evidence | None]  # type: ignore[valid-type]
+    """The signed store requests that named forgers at each node (forgers.py)."""
 
 
 def swarm_validators(swarm: str, private_key: RSAPrivateKey) -> list[RecordValidatorBase]:
