@@ -53,9 +53,11 @@ from atomtrain.peer.certs import Certificate
 
 FORGERS_READ_S = 5.0
 """The averager's read of the names (a call into the DHT's process) gives up after this long."""
-EVIDENCE_MAX_BYTES = 2**14
-"""The largest signed request a node shows (bench attack's forged stores: about 4 KB, the
-sender's certificate and one record with its own)."""
+EVIDENCE_MAX_BYTES = 2**18
+"""The largest signed request a node shows: above any honest store request (the largest record
+Atom writes is a revocation list of at most 128 KiB, records.py; bench attack's forged stores
+are about 4 KB). A larger forged request is refused and names its sender where it arrives, and
+is not shown: its sender padded it on purpose."""
 EVIDENCE_KEPT = 4
 """Forgers a node shows evidence of (the first it caught); a record holds no more."""
 EVIDENCE_TTL_S = 60.0
