@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind import DHT
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
@@ -490,15 +492,12 @@ def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp
 
 
 async def _store_at(
-    _dht, node, to: str, key: str, subkey: bytes, value: object, expiration: float
+    _dht, node, to: str, key: str, subkey: bytes, value: bytes, expiration: float
 ) -> None:
-    """A record (signed by no one) sent in a store request to the one node `to` only."""
+    """A record's `value` (its bytes as they are) sent in a store request to the node `to`
+    only."""
     await node.protocol.call_store(
-        PeerID.from_base58(to),
-        [DHTID.generate(source=key)],
-        [MSGPackSerializer.dumps(value)],
-        [expiration],
-        subkeys=[subkey],
+        PeerID.from_base58(to), [DHTID.generate(source=key)], [value], [expiration], [subkey]
     )
 
 
@@ -508,7 +507,9 @@ def test_a_forger_that_one_node_caught_is_named_by_every_node_its_evidence_reach
     """A forged store reaches only the nodes its sender sends it to (bench attack's F1, seed 1:
     one honest node of three got none and never named the overwriter). The node that refused it
     shows the request as its sender signed it, in the DHT (forgers.py); another node, sent no
-    forged record, checks it and names the forger too."""
+    forged record, checks it and names the forger too. The forged value carries a signature
+    (a made-up one: a replayed record's would do as well); shown as it is, it would have made
+    the showing node's own record fail every node's check, and named it."""
     key = SwarmKey(secrets.token_bytes(32))
     host_m = Membership.of_owner(key, "host", RSAPrivateKey())
     carol_m, carol_id = admit(key, tmp_path, "carol")
@@ -533,7 +534,7 @@ def test_a_forger_that_one_node_caught_is_named_by_every_node_its_evidence_reach
                 to=carol.peer_id.to_base58(),
                 key=status_key(SWARM),
                 subkey=own_subkey(host_m.private_key),
-                value=forged,
+                value=MSGPackSerializer.dumps(forged) + b"[signature:" + b"x" * 256 + b"]",
                 expiration=get_dht_time() + 600,
             )
         )
@@ -545,6 +546,9 @@ def test_a_forger_that_one_node_caught_is_named_by_every_node_its_evidence_reach
         assert list(named) == [mallory_m.public_key], named
         member, why = named[mallory_m.public_key]
         assert member == "mallory" and "could not have signed" in why and "shown" in why
+        for dht in dhts:  # carol's record of evidence passed every check: no one named it
+            auth.share_evidence(dht, SWARM).result()
+            assert carol_m.public_key not in read_forgers(dht).result()
         # the host's DHT node refuses mallory from then on
         assert mallory.run_coroutine(partial(_find_at, peer=hid, key=status_key(SWARM))) is None
         assert carol.run_coroutine(partial(_find_at, peer=hid, key=status_key(SWARM)))
@@ -606,8 +610,38 @@ def test_evidence_of_a_forger_names_only_the_member_whose_signed_request_carries
     assert shown(forged_req, bytes(b ^ 1 for b in forged_sig)) is None
     # another swarm's member forging: its certificate is not this owner's
     assert shown(*request(stranger_m, *record(carol_m, stranger_m, {"round": 9}))) is None
-    for junk in (b"", b"\xff" * 100, "text", None):
+    for junk in (b"", b"\xff" * 100, "text", "!" * 64, None):
         assert forger_shown(junk, key.owner(), checker) is None
+    # a subkey whose encoding turns with the clock (a dictionary's drops its expired entries)
+    # is sent by no honest node: it names its sender, whenever the request is checked
+    ext = DictionaryDHTValue()
+    ext.store(own_subkey(mallory_m.private_key), b"x", get_dht_time() + 3600)
+    ext.store(b"filler", b"y", get_dht_time() + 0.5)
+    tag = MSGPackSerializer.dumps(ext)
+    raw = DHTRecord(key_id, tag, MSGPackSerializer.dumps({"round": 1}), expires)
+    signed = mallory_m.validators(SWARM)[-1].sign_value(raw)
+    assert shown(*request(mallory_m, tag, signed)) == (mallory_m.public_key, "mallory")
+
+
+def test_a_status_naming_a_peer_with_brackets_still_passes_every_check():
+    """A peer's name is its user's choice, and the peers it rejected are named by what they
+    called themselves: a `[signature:...]` copied into a record's value would fail hivemind's
+    signature check on every node, and the storing node would be named a forger. Brackets are
+    made round as a status is published."""
+    key = SwarmKey(secrets.token_bytes(32))
+    host_m = Membership.of_owner(key, "host", RSAPrivateKey())
+    host = start_dht(host_m, [])
+    try:
+        declare_member(host, SWARM, host_m, host.peer_id, wait=True)
+        hid = host.peer_id.to_base58()
+        own = replace(
+            status("[signature:abc]", hid, 3), rejected=("[signature:" + "x" * 40 + "]", "b")
+        )
+        assert publish(host, SWARM, own_subkey(host_m.private_key), own).result()
+        [got] = read_statuses(host, SWARM, key.owner())
+        assert got.name == "(signature:abc)" and got.rejected[0].startswith("(signature:")
+    finally:
+        host.shutdown()
 
 
 @pytest.mark.parametrize("how", ["key", "subkey"])

@@ -297,7 +297,7 @@ def test_members_wait_past_their_matchmaking_time_for_the_quorum_rather_than_pai
         got = [(r["failed"], r.get("group"), r.get("why")) for r in out["rounds"]]
         landed = [r for r in out["rounds"] if not r["failed"]]
         assert all(r["group"] == 3 for r in landed), (i, got)
-        assert len(landed) >= len(out["rounds"]) - 1 == 2, (i, got)
+        assert len(out["rounds"]) == 3 and len(landed) >= 2, (i, got)
         assert not out["rejected"] and not out["stalled"], (i, out)
 
 

@@ -23,6 +23,7 @@ open (the peer says so at start). The transport stays encrypted either way (libp
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import os
@@ -285,11 +286,11 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         """Peers that sent a record they could not have signed (forgers.py), refused too: the
         RSA public key their certificate binds -> (its member, why). Refused by key, the identity
         that sent it (the averager's ban follows the member, as every ban: guarded.py)."""
-        self.evidence: dict[str, bytes] = {}
+        self.evidence: dict[str, str] = {}
         """The signed store requests that named forgers here (forgers.evidence_of), by the
         forger's public key: shown to the swarm (`share`)."""
         self._checker = RSASignatureValidator(membership.private_key)
-        self._shown: dict[bytes, None] = {}  # evidence already checked (SHOWN_KEPT latest)
+        self._shown: dict[bytes, None] = {}  # digests of the evidence checked (SHOWN_KEPT)
 
     async def get_token(self) -> AccessToken:
         cert = self.membership.certificate()
@@ -327,7 +328,7 @@ class SwarmAuthorizer(TokenAuthorizerBase):
             return False
         return True
 
-    def _name(self, token: AccessToken, did: str, evidence: bytes | None = None) -> None:
+    def _name(self, token: AccessToken, did: str, evidence: str | None = None) -> None:
         """The sender of a forged record (its token was checked: it signed the message), and
         the request that shows it (a store's), kept for the swarm."""
         cert = Certificate.from_text(token.username)
@@ -352,11 +353,15 @@ class SwarmAuthorizer(TokenAuthorizerBase):
             if subkey == own or not isinstance(shown, list):
                 continue
             for evidence in shown[:EVIDENCE_KEPT]:
-                if not isinstance(evidence, bytes) or evidence in self._shown:
+                if not isinstance(evidence, str):
                     continue
-                self._shown[evidence] = None
+                digest = hashlib.sha256(evidence.encode("utf-8", "replace")).digest()
+                if digest in self._shown:
+                    continue
+                self._shown[digest] = None
                 while len(self._shown) > SHOWN_KEPT:
                     del self._shown[next(iter(self._shown))]
+                await asyncio.sleep(0)  # (each check verifies a few signatures: the DHT's loop)
                 named = forger_shown(evidence, self.membership.owner, self._checker)
                 if named is None or named[0] in self.forgers:
                     continue
@@ -372,8 +377,12 @@ class SwarmAuthorizer(TokenAuthorizerBase):
 
 async def _share(_dht: Any, node: Any, swarm: str) -> None:
     authorizer = getattr(node.protocol, "authorizer", None)
-    if isinstance(authorizer, SwarmAuthorizer):
+    if not isinstance(authorizer, SwarmAuthorizer):
+        return
+    try:
         await authorizer.share(node, swarm)
+    except Exception as e:  # (the DHT going away, a store that failed: shared again later)
+        log.debug("evidence of forgers not shared: %r", e)
 
 
 def share_evidence(dht: Any, swarm: str) -> Any:

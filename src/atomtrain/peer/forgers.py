@@ -24,19 +24,23 @@ another version, say) is refused by the schema check, but names no one.
 
 A forged store reaches only the nodes its sender sends it to (in bench attack's run F1, seed 1,
 one honest node of three received none and never named the forger). So the node that refused it
-keeps the request as its sender signed it (`evidence_of`) and shows it to the swarm: it stores
-its evidence under its own subkey of `{swarm}_forgers` (auth.SwarmAuthorizer.share, as each
-round of its peer begins), and every node reads the others' and names the sender of any request
-that checks (`forger_shown`): a certificate the swarm's owner signed for the key that signed the
-request, and a record in it that this key could not have signed. No one can frame an honest
-member so: that takes a store request its key signed carrying such a record, and no honest node
-sends one. (Answers to a find are not shown: an answer's signature does not cover the request
-it answers, whose keys the check reads, so the asker could pair an honest answer with another
-request.)
+keeps the request as its sender signed it (`evidence_of`) and shows it to the swarm: its peer
+stores that evidence under its own subkey of `{swarm}_forgers` every 10 s
+(auth.SwarmAuthorizer.share, from the status thread: presence.py), and reads the others', and
+names the sender of any request that checks (`forger_shown`): a certificate the swarm's owner
+signed for the key that signed the request, and a record in it that this key could not have
+signed. The verdict reads the request's bytes alone, the same on every node at any time (no
+subkey whose encoding turns with the clock: PLAIN_SUBKEYS), so showing an honest node's request
+names no one: that takes a store request its key signed carrying such a record, and no honest
+node sends one. What is not shown: a forger named from an answer to a find (an answer's
+signature does not cover the request it answers, whose keys the check reads, so the asker could
+pair an honest answer with another request), a forged request larger than EVIDENCE_MAX_BYTES,
+and forgers past a node's first EVIDENCE_KEPT.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from typing import Any
 
@@ -53,16 +57,27 @@ from atomtrain.peer.certs import Certificate
 
 FORGERS_READ_S = 5.0
 """The averager's read of the names (a call into the DHT's process) gives up after this long."""
-EVIDENCE_MAX_BYTES = 2**18
-"""The largest signed request a node shows: above any honest store request (the largest record
-Atom writes is a revocation list of at most 128 KiB, records.py; bench attack's forged stores
-are about 4 KB). A larger forged request is refused and names its sender where it arrives, and
-is not shown: its sender padded it on purpose."""
-EVIDENCE_KEPT = 4
-"""Forgers a node shows evidence of (the first it caught); a record holds no more."""
+EVIDENCE_MAX_BYTES = 2**14
+"""The largest signed request a node shows (bench attack's forged stores: about 4 KB, the
+sender's certificate and one record under another's subkey). A forged request padded past it
+is refused, and names its sender, where it arrives, and is not shown: its sender chose to
+touch only those nodes (the record reaches no other: none stores it to pass it on)."""
+EVIDENCE_KEPT = 2
+"""Forgers a node shows evidence of (the first it caught): with EVIDENCE_MAX_BYTES, a node's
+record stays under 44 KB, and the swarm's dictionary of them under hivemind's 4 MiB message
+for about 90 nodes that caught one."""
 EVIDENCE_TTL_S = 60.0
-"""A node's evidence record lives this long; it stores it again as each round of its peer
-begins."""
+"""A node's evidence record lives this long; its peer stores it again every
+presence.REPUBLISH_EVERY_S."""
+PLAIN_SUBKEYS = (type(None), bytes, str, int)
+"""The subkeys a record may have (hivemind's own: None for a regular value, a peer ID's bytes,
+a signed subkey). msgpack can carry others, a DictionaryDHTValue among them, whose encoding
+drops the entries that have expired: the check of a record under one would turn with the
+clock, and an honest node's request, valid when sent, could be shown later as a forgery."""
+
+
+EVIDENCE_CHARS = 4 * ((EVIDENCE_MAX_BYTES + 2) // 3)
+"""EVIDENCE_MAX_BYTES in base64."""
 
 
 def evidence_key(swarm: str) -> str:
@@ -87,6 +102,8 @@ def _dictionary_forged(checker: RSASignatureValidator, key: bytes, value: bytes)
         return True
     with dictionary.freeze():
         for subkey, (item, expiration) in dictionary.items():
+            if not isinstance(subkey, PLAIN_SUBKEYS):
+                return True
             record = DHTRecord(key, MSGPackSerializer.dumps(subkey), item, expiration)
             if not _signed(checker, record):
                 return True
@@ -98,14 +115,15 @@ def _canonical(key: bytes, tag: bytes) -> bool:
     node stores a record under the decoded key and subkey and encodes both anew to pass it on, so
     a record signed over another encoding of them (a 21-byte key with a leading zero, a subkey
     in a longer msgpack form) verifies on arrival and fails once an honest node passes it on.
-    Accepting it would let its sender have honest nodes named; no honest node sends one."""
+    Accepting it would let its sender have honest nodes named; no honest node sends one. Nor
+    does one send a subkey of another type than PLAIN_SUBKEYS."""
     try:
         if DHTID.from_bytes(key).to_bytes() != key:
             return False
-        return (
-            tag == DHTProtocol.IS_DICTIONARY
-            or MSGPackSerializer.dumps(MSGPackSerializer.loads(tag)) == tag
-        )
+        if tag == DHTProtocol.IS_DICTIONARY:
+            return True
+        subkey = MSGPackSerializer.loads(tag)
+        return isinstance(subkey, PLAIN_SUBKEYS) and MSGPackSerializer.dumps(subkey) == tag
     except Exception:
         return False
 
@@ -153,14 +171,16 @@ def read_forgers(dht: Any) -> Any:
     return dht.run_coroutine(_named, return_future=True)
 
 
-def evidence_of(request: Any, signature: bytes) -> bytes | None:
+def evidence_of(request: Any, signature: bytes) -> str | None:
     """A store request as its sender signed it (hivemind's check cleared its signature), to show
-    the swarm; None when it is larger than EVIDENCE_MAX_BYTES."""
+    the swarm, in base64: a record's value must hold no `[signature:...]` but its own
+    (hivemind's RSASignatureValidator), and a forged request may carry signed records. None
+    when the request is larger than EVIDENCE_MAX_BYTES."""
     shown = dht_pb2.StoreRequest()
     shown.CopyFrom(request)
     shown.auth.signature = signature
     data = shown.SerializeToString()
-    return data if len(data) <= EVIDENCE_MAX_BYTES else None
+    return base64.b64encode(data).decode("ascii") if len(data) <= EVIDENCE_MAX_BYTES else None
 
 
 def forger_shown(
@@ -170,10 +190,10 @@ def forger_shown(
     a certificate the owner signed binds that key to a member (expired or not: it was one when
     it sent the request), the key signed the request, and the request carries a record that
     key could not have signed (forged_in_store); else None."""
-    if not isinstance(evidence, bytes) or len(evidence) > EVIDENCE_MAX_BYTES:
+    if not isinstance(evidence, str) or len(evidence) > EVIDENCE_CHARS:
         return None
     try:
-        request = dht_pb2.StoreRequest.FromString(evidence)
+        request = dht_pb2.StoreRequest.FromString(base64.b64decode(evidence, validate=True))
     except Exception:  # (anything at all may be shown)
         return None
     token = request.auth.client_access_token

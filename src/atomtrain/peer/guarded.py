@@ -161,6 +161,7 @@ class GuardedAverager(DecentralizedAverager):
         self._ended_over: set[PeerID] = set()  # whom its last try ended early over (exact.py)
         self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
         self._forgers: asyncio.Future | None = None  # this round's read of them (forgers.py)
+        self._sharing: Any = None  # the DHT's process showing and checking evidence of them
         self._forgers_banned: set[str] = set()  # their public keys, once their peers were found
         self._warming: asyncio.Future | None = None  # this round's checks of its live members
         self._kinds, self._events, self._inputs = kinds, events, inputs
@@ -483,10 +484,8 @@ class GuardedAverager(DecentralizedAverager):
         signed, or saw shown to have sent one (forgers.py), and their members, in the
         background of a round's matchmaking (a peer whose certificate the roster does not show
         yet is looked for again next round)."""
-        try:  # this node's evidence shown, the others' read
-            await asyncio.wait_for(share_evidence(self.dht, self._gate.swarm), FORGERS_READ_S)
-        except Exception as e:  # (the DHT's process busy or gone: the next round shares again)
-            log.debug("could not share the evidence of forgers: %r", e)
+        if self._sharing is None or self._sharing.done():  # for the next rounds' reads
+            self._sharing = share_evidence(self.dht, self._gate.swarm)  # (presence.py too)
         try:
             named = await asyncio.wait_for(read_forgers(self.dht), FORGERS_READ_S)
         except Exception as e:  # (the DHT's process busy or gone: the next round reads again)

@@ -18,7 +18,13 @@ from hivemind.p2p import PeerID
 from atomtrain.errors import AtomError
 from atomtrain.peer.agreement import AgreementRecord, RoundDigest
 from atomtrain.peer.attack import overwrite_records
-from atomtrain.peer.auth import Roster, declare_member, note_revoked, read_roster
+from atomtrain.peer.auth import (
+    Roster,
+    declare_member,
+    note_revoked,
+    read_roster,
+    share_evidence,
+)
 from atomtrain.peer.protocol import describe
 from atomtrain.peer.records import own_subkey, swarm_validators
 from atomtrain.peer.state import download_sources
@@ -67,6 +73,7 @@ class Presence:
         self._digested_round = -1
         self._agreement_at = -math.inf  # monotonic time the digests were last stored
         self._declared_at = -math.inf  # ...and the certificate
+        self._sharing: Any = None  # evidence of forgers shown and checked (forgers.py)
         self.round_changed = threading.Event()  # the status thread publishes the new digests
         self.stopping = threading.Event()  # the status thread ends
         self._publisher: threading.Thread | None = None
@@ -243,6 +250,9 @@ class Presence:
             self.known_others = self.live_others()
         if peer.membership is None:
             return
+        if read and (self._sharing is None or self._sharing.done()):
+            # (its averager shares too as each round begins, where rounds come faster)
+            self._sharing = share_evidence(peer.dht, peer.cfg.swarm)
         if read:
             self._roster = read_roster(peer.dht, peer.cfg.swarm, peer.membership.owner)
             newest = self._roster.revocations

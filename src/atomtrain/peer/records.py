@@ -18,7 +18,7 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from atomtrain.peer.forgers import EVIDENCE_KEPT, EVIDENCE_MAX_BYTES
+from atomtrain.peer.forgers import EVIDENCE_CHARS, EVIDENCE_KEPT
 
 Number = pydantic.StrictInt | pydantic.StrictFloat
 Text = pydantic.constr(strict=True, max_length=256)
@@ -33,7 +33,7 @@ AgreedRound = pydantic.conlist(  # [round, parameters' digest, momentum's digest
 )
 AgreedRounds = pydantic.conlist(AgreedRound, max_items=3)
 Evidence = pydantic.conlist(
-    pydantic.conbytes(strict=True, max_length=EVIDENCE_MAX_BYTES),  # type: ignore[arg-type]
+    pydantic.constr(strict=True, max_length=EVIDENCE_CHARS),  # type: ignore[arg-type]
     max_items=EVIDENCE_KEPT,
 )
 
@@ -78,7 +78,7 @@ class SwarmRecords(pydantic.BaseModel):
     agreed: dict[BytesWithPublicKey, AgreedRounds | None]  # type: ignore[valid-type]
     """Digests of the state each peer held at its last rounds (agreement.py)."""
     forgers: dict[BytesWithPublicKey, Evidence | None]  # type: ignore[valid-type]
-    """The signed store requests that named forgers at each node (forgers.py)."""
+    """The signed store requests that named forgers at each node, in base64 (forgers.py)."""
 
 
 def swarm_validators(swarm: str, private_key: RSAPrivateKey) -> list[RecordValidatorBase]:
