@@ -11,8 +11,10 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 from hivemind import DHT
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
@@ -621,6 +623,24 @@ def test_evidence_of_a_forger_names_only_the_member_whose_signed_request_carries
     raw = DHTRecord(key_id, tag, MSGPackSerializer.dumps({"round": 1}), expires)
     signed = mallory_m.validators(SWARM)[-1].sign_value(raw)
     assert shown(*request(mallory_m, tag, signed)) == (mallory_m.public_key, "mallory")
+    # so is a subkey of text (bytes alone: no honest dictionary holds subkeys of mixed types)
+    text_tag = MSGPackSerializer.dumps("x")
+    assert shown(*request(mallory_m, text_tag, b"v")) == (mallory_m.public_key, "mallory")
+    # an honest node passing a whole dictionary on (hivemind's caching) names no one: carol's
+    # record, signed by her, in a dictionary the host sends
+    whole = DictionaryDHTValue()
+    _, carol_value = record(carol_m, carol_m, {"round": 1})
+    whole.store(own_subkey(carol_m.private_key), carol_value, expires)
+    dictionary = MSGPackSerializer.dumps(whole)
+    assert shown(*request(host_m, DHTProtocol.IS_DICTIONARY, dictionary)) is None
+    # nor does a dictionary that cannot be decoded (refused all the same): subkeys of mixed
+    # types at one expiry, which hivemind's storage cannot order
+    mixed = MSGPackSerializer.dumps(
+        [None, expires, [["x", b"1", expires], [b"y", b"2", expires], [1, b"3", expires]]]
+    )
+    code = MSGPackSerializer._ext_types[DictionaryDHTValue]
+    packed = msgpack.packb(msgpack.ExtType(code, mixed), use_bin_type=True)
+    assert shown(*request(host_m, DHTProtocol.IS_DICTIONARY, packed)) is None
 
 
 def test_a_status_naming_a_peer_with_brackets_still_passes_every_check():
@@ -752,6 +772,14 @@ def test_keygen_admit_and_a_certificate_for_another_identity_from_the_command_li
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr
     bad = run_cli("admit", "swarm.key", "--member", "x", "--swarm-key", "swarm.key", cwd=tmp_path)
     assert bad.returncode == 2 and "is not a member's public key" in bad.stderr
+    # a name copied into every peer's records must not carry a signature's brackets (forgers.py)
+    for cmd in (
+        ("admit", "other.id.pub", "--member", "[signature:x]", "--swarm-key", "swarm.key"),
+        ("revoke", "[signature:x]", "--swarm-key", "swarm.key", "--join", "/ip4/127.0.0.1/tcp/1"),
+    ):
+        bad = run_cli(*cmd, cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+        assert "square brackets" in bad.stderr, bad.stderr
 
 
 def read_key(path: Path) -> SwarmKey:

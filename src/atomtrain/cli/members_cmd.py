@@ -54,11 +54,13 @@ MAX_DAYS = 3650
 
 def run_admit(args: argparse.Namespace, _extra: list[str]) -> int:
     from atomtrain.errors import AtomError
-    from atomtrain.peer.certs import MAX_MEMBER_CHARS, issue, read_public
+    from atomtrain.peer.certs import MAX_MEMBER_CHARS, bracketed, issue, read_public
 
     key = _owner_key(args.swarm_key)
     if not 0 < len(args.member) <= MAX_MEMBER_CHARS:
         raise AtomError(f"--member must be 1 to {MAX_MEMBER_CHARS} characters")
+    if bracketed(args.member):
+        raise AtomError(f"--member must hold no square brackets, got {args.member!r}")
     if not 0 < args.days <= MAX_DAYS:  # a longer expiry does not fit the DHT's token dates
         raise AtomError(f"--days must be in (0, {MAX_DAYS}], got {args.days}")
     peer_id, public_key = read_public(args.pub)
@@ -79,9 +81,12 @@ def run_revoke(args: argparse.Namespace, _extra: list[str]) -> int:
 
     from atomtrain.errors import AtomError
     from atomtrain.peer.auth import Membership, read_roster, revoked_key
-    from atomtrain.peer.certs import revoke
+    from atomtrain.peer.certs import bracketed, revoke
     from atomtrain.peer.records import own_subkey
 
+    named = [m for m in args.members if bracketed(m)]
+    if named:  # (no member is admitted under such a name)
+        raise AtomError(f"member names hold no square brackets, got {named[0]!r}")
     key = _owner_key(args.swarm_key)
     signing = RSAPrivateKey()
     owner = Membership.of_owner(key, "owner", signing)

@@ -97,6 +97,8 @@ costs one more read)."""
 SHOWN_KEPT = 256
 """Pieces of evidence of forgers (forgers.py) the DHT's gate remembers having checked; past that
 the oldest is checked again when shown again."""
+SHOWN_PER_CALL = 8
+"""New pieces of evidence the DHT's gate checks at each share (the rest at the next ones)."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,8 @@ class Membership:
     ) -> None:
         self.owner = owner
         self.private_key = private_key
-        self.member = member
+        # an owner's peer certifies itself under its name: no brackets in it (certs.bracketed)
+        self.member = member.replace("[", "(").replace("]", ")") if key is not None else member
         self._key = key
         self._cert = cert
 
@@ -291,6 +294,8 @@ class SwarmAuthorizer(TokenAuthorizerBase):
         forger's public key: shown to the swarm (`share`)."""
         self._checker = RSASignatureValidator(membership.private_key)
         self._shown: dict[bytes, None] = {}  # digests of the evidence checked (SHOWN_KEPT)
+        self._sharing = False
+        self.owner = membership.owner
 
     async def get_token(self) -> AccessToken:
         cert = self.membership.certificate()
@@ -342,18 +347,34 @@ class SwarmAuthorizer(TokenAuthorizerBase):
 
     async def share(self, node: Any, swarm: str) -> None:
         """Store the evidence this node holds under its own subkey, then name the forgers that
-        the other members' evidence shows (forgers.forger_shown; each piece checked once)."""
+        the certified members' evidence shows (forgers.forger_shown; each piece checked once,
+        at most SHOWN_PER_CALL new ones a call). One share at a time: the status thread and
+        the averager both ask."""
+        if self._sharing:
+            return
+        self._sharing = True
+        try:
+            await self._share(node, swarm)
+        finally:
+            self._sharing = False
+
+    async def _share(self, node: Any, swarm: str) -> None:
         key, own = evidence_key(swarm), own_subkey(self.membership.private_key)
         if self.evidence:
             expires = get_dht_time() + EVIDENCE_TTL_S
             await node.store(key, list(self.evidence.values()), expires, subkey=own)
         found = await node.get(key, latest=True)
+        if not _entries(found):
+            return
+        members = await node.get(members_key(swarm), latest=True)
+        roster = roster_of(members, await node.get(revoked_key(swarm), latest=True), self.owner)
+        checked = 0
         for subkey, item in _entries(found).items():
             shown = getattr(item, "value", None)
-            if subkey == own or not isinstance(shown, list):
-                continue
-            for evidence in shown[:EVIDENCE_KEPT]:
-                if not isinstance(evidence, str):
+            if subkey == own or signer_of(subkey) not in roster.by_signer:
+                continue  # (keys anyone can make show nothing)
+            for evidence in shown[:EVIDENCE_KEPT] if isinstance(shown, list) else ():
+                if not isinstance(evidence, str) or checked >= SHOWN_PER_CALL:
                     continue
                 digest = hashlib.sha256(evidence.encode("utf-8", "replace")).digest()
                 if digest in self._shown:
@@ -361,14 +382,18 @@ class SwarmAuthorizer(TokenAuthorizerBase):
                 self._shown[digest] = None
                 while len(self._shown) > SHOWN_KEPT:
                     del self._shown[next(iter(self._shown))]
+                checked += 1
                 await asyncio.sleep(0)  # (each check verifies a few signatures: the DHT's loop)
-                named = forger_shown(evidence, self.membership.owner, self._checker)
-                if named is None or named[0] in self.forgers:
-                    continue
-                public_key, member = named
-                why = "asked another node to store a DHT record it could not have signed"
-                self.forgers[public_key] = (member, f"{why} (its signed request, shown)")
-                log.warning("member %s %s: refused from now on", member, why)
+                try:
+                    named = forger_shown(evidence, self.owner, self._checker)
+                except Exception:  # (whatever it holds, the next piece is checked)
+                    named = None
+                mine = self.membership.public_key  # (a forger's own node reads its evidence)
+                if named is not None and named[0] not in self.forgers and named[0] != mine:
+                    public_key, member = named
+                    why = "asked another node to store a DHT record it could not have signed"
+                    self.forgers[public_key] = (member, f"{why} (its signed request, shown)")
+                    log.warning("member %s %s: refused from now on", member, why)
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         cert = Certificate.from_text(access_token.username)
@@ -480,7 +505,12 @@ def declare_member(
     futures = [] if wait else [stored]
     if revocations is not None:
         listed = revocations.to_text()
-        futures.append(dht.store(revoked_key(swarm), listed, expires, subkey, return_future=True))
+        if "[signature:" in listed:  # (an older owner's list: every copy would fail the check)
+            log.warning("not copying the revocation list on: a name in it holds a signature")
+        else:
+            futures.append(
+                dht.store(revoked_key(swarm), listed, expires, subkey, return_future=True)
+            )
     return futures
 
 

@@ -101,7 +101,7 @@ class Certificate:
         try:
             d = json.loads(text)
             cert = cls(**{k: d[k] for k in cls.__dataclass_fields__})
-        except (TypeError, ValueError, KeyError):
+        except (TypeError, ValueError, KeyError, RecursionError):  # (16,000 brackets: the last)
             return None
         strings = (cert.member, cert.peer_id, cert.public_key, cert.owner, cert.signature)
         if not all(isinstance(s, str) for s in strings) or not isinstance(cert.expires, float):
@@ -118,6 +118,14 @@ class Certificate:
         # the owner's signature binds the peer ID to the key (`atomtrain admit` checks that one
         # derives from the other; an owner's own peers may sign with another key than p2pd's)
         return _owner_verifies(owner, self.body(), self.signature)
+
+
+def bracketed(name: str) -> bool:
+    """Whether a member's name holds a square bracket: names are copied into the records every
+    peer writes (revocation lists, certificates), and a `[signature:...]` there would make every
+    copy fail hivemind's check of signed records on every node (forgers.py: each copier named a
+    forger). `atomtrain admit` and `atomtrain revoke` refuse such names."""
+    return "[" in name or "]" in name
 
 
 def issue(
@@ -268,7 +276,9 @@ class Revocations:
 
 
 def revoke(secret: bytes, members: list[str], previous: Revocations | None) -> Revocations:
-    """A new signed list: the previous one's members and `members`."""
+    """A new signed list: the previous one's members and `members` (names with square
+    brackets left out: no certificate names one, `bracketed`)."""
+    members = [m for m in members if not bracketed(m)]
     names = sorted(set(previous.members if previous else ()) | set(members))
     issued = max(time.time(), previous.issued + 1e-3 if previous else 0.0)
     out = Revocations(owner_public_hex(secret), issued, tuple(names))

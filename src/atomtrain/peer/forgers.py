@@ -25,17 +25,20 @@ another version, say) is refused by the schema check, but names no one.
 A forged store reaches only the nodes its sender sends it to (in bench attack's run F1, seed 1,
 one honest node of three received none and never named the forger). So the node that refused it
 keeps the request as its sender signed it (`evidence_of`) and shows it to the swarm: its peer
-stores that evidence under its own subkey of `{swarm}_forgers` every 10 s
-(auth.SwarmAuthorizer.share, from the status thread: presence.py), and reads the others', and
-names the sender of any request that checks (`forger_shown`): a certificate the swarm's owner
-signed for the key that signed the request, and a record in it that this key could not have
-signed. The verdict reads the request's bytes alone, the same on every node at any time (no
-subkey whose encoding turns with the clock: PLAIN_SUBKEYS), so showing an honest node's request
-names no one: that takes a store request its key signed carrying such a record, and no honest
-node sends one. What is not shown: a forger named from an answer to a find (an answer's
-signature does not cover the request it answers, whose keys the check reads, so the asker could
-pair an honest answer with another request), a forged request larger than EVIDENCE_MAX_BYTES,
-and forgers past a node's first EVIDENCE_KEPT.
+stores that evidence under its own subkey of `{swarm}_forgers` every 10 s and as each round
+begins (auth.SwarmAuthorizer.share, from the status thread, presence.py, and the averager), and
+reads the certified members', and names the sender of any request that checks
+(`forger_shown`): a certificate the swarm's owner signed for the key that signed the request,
+and a record in it that this key could not have signed. The verdict reads the request's bytes
+alone, the same on every node at any time (no subkey whose encoding turns with the clock:
+PLAIN_SUBKEYS), so showing an honest node's request names no one: that takes a store request
+its key signed carrying such a record, and no honest node sends one. What is not shown: a
+forger named from an answer to a find (an answer's signature does not cover the request it
+answers, whose keys the check reads, so the asker could pair an honest answer with another
+request), a forged request larger than EVIDENCE_MAX_BYTES, forgers past a node's first
+EVIDENCE_KEPT, and any once the node that caught it has left (its record lives EVIDENCE_TTL_S;
+others do not show it on). A verdict is the same on every node that runs the same cryptography
+library (the signatures' checks).
 """
 
 from __future__ import annotations
@@ -69,11 +72,14 @@ for about 90 nodes that caught one."""
 EVIDENCE_TTL_S = 60.0
 """A node's evidence record lives this long; its peer stores it again every
 presence.REPUBLISH_EVERY_S."""
-PLAIN_SUBKEYS = (type(None), bytes, str, int)
-"""The subkeys a record may have (hivemind's own: None for a regular value, a peer ID's bytes,
-a signed subkey). msgpack can carry others, a DictionaryDHTValue among them, whose encoding
-drops the entries that have expired: the check of a record under one would turn with the
-clock, and an honest node's request, valid when sent, could be shown later as a forgery."""
+PLAIN_SUBKEYS = (type(None), bytes)
+"""The subkeys a record may have: None for a regular value, bytes otherwise (a peer ID's, a
+signed subkey: hivemind's and Atom's own). msgpack can carry others, a DictionaryDHTValue among
+them, whose encoding drops the entries that have expired: the check of a record under one would
+turn with the clock, and an honest node's request, valid when sent, could be shown later as a
+forgery. Subkeys of mixed types in one dictionary (str and bytes) fail to decode on arrival
+(hivemind's storage orders entries of one expiry by their subkeys): with bytes alone no honest
+node holds such a dictionary, and a dictionary that fails to decode names no one."""
 
 
 EVIDENCE_CHARS = 4 * ((EVIDENCE_MAX_BYTES + 2) // 3)
@@ -94,10 +100,12 @@ def _signed(checker: RSASignatureValidator, record: DHTRecord) -> bool:
 
 
 def _dictionary_forged(checker: RSASignatureValidator, key: bytes, value: bytes) -> bool:
+    """A dictionary holds a record its owner did not sign, or a subkey no honest node sends.
+    One that does not decode names no one (refused all the same: hivemind cannot store it)."""
     try:
         dictionary = MSGPackSerializer.loads(value)
     except Exception:
-        return True  # made up: not a dictionary
+        return False
     if not isinstance(dictionary, DictionaryDHTValue):
         return True
     with dictionary.freeze():
