@@ -51,6 +51,7 @@ from atomtrain.peer.certs import (
     owner_public_hex,
     read_certificate,
     read_identity,
+    unbracketed,
 )
 from atomtrain.peer.forgers import (
     EVIDENCE_KEPT,
@@ -190,7 +191,7 @@ class Membership:
         self.owner = owner
         self.private_key = private_key
         # an owner's peer certifies itself under its name: no brackets in it (certs.bracketed)
-        self.member = member.replace("[", "(").replace("]", ")") if key is not None else member
+        self.member = unbracketed(member) if key is not None else member
         self._key = key
         self._cert = cert
 

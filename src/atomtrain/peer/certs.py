@@ -128,6 +128,12 @@ def bracketed(name: str) -> bool:
     return "[" in name or "]" in name
 
 
+def unbracketed(text: str) -> str:
+    """`text` with its square brackets made round (`bracketed`): for a name this peer copies
+    into its own records, its user's choice or another peer's."""
+    return text.replace("[", "(").replace("]", ")")
+
+
 def issue(
     secret: bytes,
     member: str,

@@ -71,7 +71,7 @@ record stays under 44 KB, and the swarm's dictionary of them under hivemind's 4 
 for about 90 nodes that caught one."""
 EVIDENCE_TTL_S = 60.0
 """A node's evidence record lives this long; its peer stores it again every
-presence.REPUBLISH_EVERY_S."""
+presence.READ_EVERY_S (10 s) and as each of its rounds begins."""
 PLAIN_SUBKEYS = (type(None), bytes)
 """The subkeys a record may have: None for a regular value, bytes otherwise (a peer ID's, a
 signed subkey: hivemind's and Atom's own). msgpack can carry others, a DictionaryDHTValue among

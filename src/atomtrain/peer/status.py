@@ -10,6 +10,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time
 
 from atomtrain.peer.auth import read_roster
+from atomtrain.peer.certs import unbracketed
 from atomtrain.peer.records import signer_of
 
 STATUS_TTL_S = 30.0
@@ -120,21 +121,15 @@ def status_key(swarm: str) -> str:
     return f"{swarm}_status"
 
 
-def unbracketed(text: str) -> str:
-    """`text` with its square brackets made round: a record's value that holds a
-    `[signature:...]` besides its own fails hivemind's check (RSASignatureValidator) on every
-    node, and the node that stored it is named a forger (forgers.py). A peer's name is its
-    user's choice, and the peers it rejected are named by what they called themselves."""
-    return text.replace("[", "(").replace("]", ")")
-
-
 def publish(dht: DHT, swarm: str, subkey: bytes, status: PeerStatus) -> Any:
     """Store this peer's record under its own signed subkey (records.py), so no peer can write
     another's; a future of whether it was stored."""
     record = asdict(status)
     record["name"] = unbracketed(status.name)
     record["addrs"] = list(status.addrs)
-    record["rejected"] = [unbracketed(name) for name in status.rejected]  # others' words
+    # a `[signature:...]` besides its own would fail every node's check of this record, and
+    # name this peer a forger (forgers.py): the peers it rejected named themselves
+    record["rejected"] = [unbracketed(name) for name in status.rejected]
     return dht.store(
         status_key(swarm),
         subkey=subkey,
