@@ -421,13 +421,9 @@ async def _store_encoded_otherwise(
     return response is not None and all(response.store_ok)
 
 
-def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp_path: Path):
-    """Issue 12, item 4: a member that writes over another's DHT record is refused by every node
-    (the signed records), but went on as before. Now the nodes it sent the forged record to name
-    it: their DHT gate refuses it from then on, and their averager's gate bans its member (read at
-    each round, guarded._ban_forgers). An honest node passing on another's signed record (as
-    hivemind caches what it found) and a record of the wrong shape under its sender's own subkey
-    name no one."""
+def host_carol_mallory(tmp_path: Path) -> tuple[SwarmKey, tuple, tuple[DHT, DHT, DHT]]:
+    """A keyed swarm's owner peer (host) and two admitted members: the swarm key, their
+    memberships and their DHT nodes (started, joined to the host's)."""
     key = SwarmKey(secrets.token_bytes(32))
     host_m = Membership.of_owner(key, "host", RSAPrivateKey())
     carol_m, carol_id = admit(key, tmp_path, "carol")
@@ -436,6 +432,17 @@ def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp
     addrs = [str(a) for a in host.get_visible_maddrs()]
     carol = start_dht(carol_m, addrs, carol_id)
     mallory = start_dht(mallory_m, addrs, mallory_id)
+    return key, (host_m, carol_m, mallory_m), (host, carol, mallory)
+
+
+def test_a_member_that_sends_a_record_it_could_not_sign_is_named_and_refused(tmp_path: Path):
+    """Issue 12, item 4: a member that writes over another's DHT record is refused by every node
+    (the signed records), but went on as before. Now the nodes it sent the forged record to name
+    it: their DHT gate refuses it from then on, and their averager's gate bans its member (read at
+    each round, guarded._ban_forgers). An honest node passing on another's signed record (as
+    hivemind caches what it found) and a record of the wrong shape under its sender's own subkey
+    name no one."""
+    key, (host_m, carol_m, mallory_m), (host, carol, mallory) = host_carol_mallory(tmp_path)
     dhts = {"host": host, "carol": carol, "mallory": mallory}
     try:
         for dht, m in ((host, host_m), (carol, carol_m), (mallory, mallory_m)):
@@ -512,14 +519,7 @@ def test_a_forger_that_one_node_caught_is_named_by_every_node_its_evidence_reach
     forged record, checks it and names the forger too. The forged value carries a signature
     (a made-up one: a replayed record's would do as well); shown as it is, it would have made
     the showing node's own record fail every node's check, and named it."""
-    key = SwarmKey(secrets.token_bytes(32))
-    host_m = Membership.of_owner(key, "host", RSAPrivateKey())
-    carol_m, carol_id = admit(key, tmp_path, "carol")
-    mallory_m, mallory_id = admit(key, tmp_path, "mallory")
-    host = start_dht(host_m, [])
-    addrs = [str(a) for a in host.get_visible_maddrs()]
-    carol = start_dht(carol_m, addrs, carol_id)
-    mallory = start_dht(mallory_m, addrs, mallory_id)
+    _, (host_m, carol_m, mallory_m), (host, carol, mallory) = host_carol_mallory(tmp_path)
     dhts = (host, carol, mallory)
     try:
         for dht, m in ((host, host_m), (carol, carol_m), (mallory, mallory_m)):

@@ -371,7 +371,7 @@ class GuardedAverager(DecentralizedAverager):
                     if group_id not in self._missed:
                         log.info(
                             "refusing %s's group: a leader this member gave up on formed it",
-                            sender.to_base58()[-8:],
+                            str(sender)[-8:],
                         )
                     self._missed[group_id] = None  # a given-up leader's: it will not come
                     keep_latest(self._missed, HEARD_KEPT)
