@@ -288,9 +288,9 @@ def test_members_wait_past_their_matchmaking_time_for_the_quorum_rather_than_pai
     the round's time, and the late one joins them. (hivemind's rule formed the pair.)
 
     One round of an honest peer's three may be lost otherwise: in a CI run (2026-12-06) peer 0's
-    exchange with peer 1, whose reducer had combined peer 0's parts, failed within the group
-    of three on a loaded machine; the other two landed that round, and peer 0's retry found no
-    group. (The peers' logs now say why an exchange failed.) With hivemind's rule every round
+    exchange with peer 1 failed within the group of three on a loaded machine, about 0.1 s into
+    the all-reduce (cause not traced); the other two landed that round, and peer 0's retry found
+    no group. (The peers' logs now say why an exchange failed.) With hivemind's rule every round
     of every honest peer ran as a pair (least_group patched to 2, 2026-12-06)."""
     outs = run_round(tmp_path, "late_joiner", defend=True)
     for i, out in outs.items():
