@@ -349,8 +349,7 @@ class SwarmAuthorizer(TokenAuthorizerBase):
     async def share(self, node: Any, swarm: str) -> None:
         """Store the evidence this node holds under its own subkey, then name the forgers that
         the certified members' evidence shows (forgers.forger_shown; each piece checked once,
-        at most SHOWN_PER_CALL new ones a call). One share at a time: the status thread and
-        the averager both ask."""
+        at most SHOWN_PER_CALL new ones a call). One share at a time."""
         if self._sharing:
             return
         self._sharing = True

@@ -25,9 +25,9 @@ another version, say) is refused by the schema check, but names no one.
 A forged store reaches only the nodes its sender sends it to (in bench attack's run F1, seed 1,
 one honest node of three received none and never named the forger). So the node that refused it
 keeps the request as its sender signed it (`evidence_of`) and shows it to the swarm: its peer
-stores that evidence under its own subkey of `{swarm}_forgers` every 10 s and as each round
-begins (auth.SwarmAuthorizer.share, from the status thread, presence.py, and the averager), and
-reads the certified members', and names the sender of any request that checks
+stores that evidence under its own subkey of `{swarm}_forgers` every 10 s
+(auth.SwarmAuthorizer.share, from the status thread, presence.py), and reads the certified
+members', and names the sender of any request that checks
 (`forger_shown`): a certificate the swarm's owner signed for the key that signed the request,
 and a record in it that this key could not have signed. The verdict reads the request's bytes
 alone, the same on every node at any time (no subkey whose encoding turns with the clock:
@@ -71,7 +71,7 @@ record stays under 44 KB, and the swarm's dictionary of them under hivemind's 4 
 for about 90 nodes that caught one."""
 EVIDENCE_TTL_S = 60.0
 """A node's evidence record lives this long; its peer stores it again every
-presence.READ_EVERY_S (10 s) and as each of its rounds begins."""
+presence.READ_EVERY_S (10 s)."""
 PLAIN_SUBKEYS = (type(None), bytes)
 """The subkeys a record may have: None for a regular value, bytes otherwise (a peer ID's, a
 signed subkey: hivemind's and Atom's own). msgpack can carry others, a DictionaryDHTValue among

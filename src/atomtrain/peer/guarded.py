@@ -57,7 +57,7 @@ from atomtrain.peer.assembly import (
 )
 from atomtrain.peer.attack import SLANDER, forge_gathered, lie_sizes
 from atomtrain.peer.audit import AuditedRunner
-from atomtrain.peer.auth import MemberGate, share_evidence
+from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_weights
 from atomtrain.peer.download import download_from
 from atomtrain.peer.exact import START_FLOOR_S, ExactAverageRunner, start_timeouts
@@ -161,7 +161,6 @@ class GuardedAverager(DecentralizedAverager):
         self._ended_over: set[PeerID] = set()  # whom its last try ended early over (exact.py)
         self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
         self._forgers: asyncio.Future | None = None  # this round's read of them (forgers.py)
-        self._sharing: Any = None  # the DHT's process showing and checking evidence of them
         self._forgers_banned: set[str] = set()  # their public keys, once their peers were found
         self._warming: asyncio.Future | None = None  # this round's checks of its live members
         self._kinds, self._events, self._inputs = kinds, events, inputs
@@ -481,11 +480,10 @@ class GuardedAverager(DecentralizedAverager):
 
     async def _ban_forgers(self) -> None:
         """Ban the peers this peer's DHT node caught sending records they could not have
-        signed, or saw shown to have sent one (forgers.py), and their members, in the
-        background of a round's matchmaking (a peer whose certificate the roster does not show
-        yet is looked for again next round)."""
-        if self._sharing is None or self._sharing.done():  # for the next rounds' reads
-            self._sharing = share_evidence(self.dht, self._gate.swarm)  # (presence.py too)
+        signed, or saw shown to have sent one (forgers.py: the status thread shares the
+        evidence, presence.py), and their members, in the background of a round's matchmaking
+        (a peer whose certificate the roster does not show yet is looked for again next
+        round)."""
         try:
             named = await asyncio.wait_for(read_forgers(self.dht), FORGERS_READ_S)
         except Exception as e:  # (the DHT's process busy or gone: the next round reads again)
