@@ -35,11 +35,13 @@ from atomtrain.peer.auth import (
 from atomtrain.peer.averaging import ProbedAverager
 from atomtrain.peer.bounds import Defence, equal_weights
 from atomtrain.peer.exact import (
+    FIRST_PARTS_KEPT,
     LAG_CAP,
     NOT_IN_GROUP,
     START_FLOOR_S,
     START_LAGS,
     ExactAverageRunner,
+    first_part_timeouts,
     silent_members,
     start_timeouts,
 )
@@ -786,11 +788,19 @@ def test_an_auditor_that_missed_its_leaders_word_is_not_left_out_for_its_missing
     assert doubted == ["a"] and why.startswith("a gave no audit verdict")
 
 
-def start_waited(opened: str, since: float = -1.0, start: float = 0.1) -> tuple[float, str]:
+def start_waited(
+    opened: str,
+    since: float = -1.0,
+    start: float = 0.1,
+    first: float | None = None,
+    opens_at: float | None = None,
+) -> tuple[float, str]:
     """A runner of members me, a, b (a reduces no span; b does, and sends nothing): how long
     its wait for the senders ran, and how the round ended. The members `opened` names opened
     their stream of parts to it (`since`: when its previous group ended, relative to its start);
-    `start`: b's start timeout (the others': 0.1 s)."""
+    `start`: b's start timeout (the others': 0.1 s); `first`: b's first-part timeout (None:
+    none measured); `opens_at`: when b opens its stream, relative to the start, where it opens
+    one during the wait."""
 
     async def scenario() -> tuple[float, str]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
@@ -806,7 +816,11 @@ def start_waited(opened: str, since: float = -1.0, start: float = 0.1) -> tuple[
         runner._started = time.monotonic()
         runner._since = runner._started + since
         runner._opened = {p: runner._started for p in opened}
+        runner._first_part_timeout = {} if first is None else {"b": first}
         runner._on_stall = lambda peer_id, why: None
+        if opens_at is not None:
+            stamp = lambda: runner._opened.__setitem__("b", time.monotonic())  # noqa: E731
+            asyncio.get_running_loop().call_later(opens_at, stamp)
         runner._future = asyncio.get_running_loop().create_future()
         runner.finalize = lambda exception=None: runner._future.set_exception(exception)
 
@@ -838,6 +852,35 @@ def test_a_round_ends_at_the_start_timeout_where_a_reducer_never_opened_its_stre
     assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
     waited, why = start_waited(opened="b", since=0.05)  # a stream from the group before
     assert waited < 0.4 and why.startswith("b opened no stream"), (waited, why)
+
+
+def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_part_timeout():
+    """A member frozen just after opening its stream of parts (bench attack's staller, caught
+    between the two) ended the round only at the sender timeout: 5 s in bench attack, two rounds
+    where a round takes 2.5 s. Where its first parts were measured in earlier rounds (so its
+    link's own speed is known), it is waited for its first-part timeout after the stream opened,
+    never less than its start timeout; one whose first parts were never measured here (a new
+    member, maybe on a slow link) is still waited for until the sender timeout."""
+    waited, why = start_waited(opened="b", first=0.2)
+    assert 0.2 <= waited < 0.45 and why == "b opened a stream, no part in 0.2 s", (waited, why)
+    waited, why = start_waited(opened="b", first=0.01)  # never before its start timeout
+    assert 0.1 <= waited < 0.35 and why == "b opened a stream, no part in 0.0 s", (waited, why)
+    waited, why = start_waited(opened="b")  # none measured: the sender timeout, as before
+    assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
+    # opened during the wait, before its start timeout: timed from its opening
+    waited, why = start_waited(opened="", start=0.3, first=0.3, opens_at=0.2)
+    assert 0.5 <= waited < 0.75 and why == "b opened a stream, no part in 0.3 s", (waited, why)
+
+
+def test_a_first_part_timeout_is_the_floor_plus_three_times_the_members_slowest_first_part():
+    """Each member's first-part timeout comes from its own latest delays, as this member
+    measured them: a slow link's are long, so it is never held to a fast one's; a member with
+    none measured gets none (the sender timeout)."""
+    delays = {"fast": [0.01, 0.03, 0.02], "slow": [1.5, 2.0], "none": []}
+    assert first_part_timeouts(delays, ["fast", "slow", "none", "new"], floor=1.0) == {
+        "fast": pytest.approx(1.09),
+        "slow": pytest.approx(7.0),
+    }
 
 
 async def reducer_waited(
@@ -1079,7 +1122,7 @@ def handlers_alone() -> GuardedAverager:
     avg = GuardedAverager.__new__(GuardedAverager)
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
-    avg._heard, avg._opened, avg._ran = {}, {}, {}
+    avg._heard, avg._opened, avg._ran, avg._first_parts = {}, {}, {}, {}
     avg._gave_up_on, avg._missed, avg._assembled, avg._requests = {}, {}, set(), 0
     avg._left_out = LeftOut(lambda peer_id, why, kind: None, lambda peer_id: False)
     return avg
@@ -1942,6 +1985,43 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         "given up, ours": [averaging_pb2.AVERAGED_PART],
         "given up, idle": [averaging_pb2.BAD_GROUP_ID],
     }
+
+
+def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks():
+    """What a first-part timeout comes from (exact.first_part_timeouts): how long each peer's
+    first part took to come after its stream opened, measured as the handler gets it; an ask
+    for this member's span (no part) measures nothing, and each peer's latest FIRST_PARTS_KEPT
+    are kept."""
+    from hivemind.compression import serialize_torch_tensor
+
+    async def scenario() -> dict:
+        avg = handlers_alone()
+        avg._running_groups, avg._assembled, avg._asking = {}, set(), 0
+        avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
+
+        async def send(member: str, part: bool, after: float = 0.0) -> None:
+            async def messages():
+                await asyncio.sleep(after)
+                message = averaging_pb2.AveragingData(group_id=b"a", weight=1.0)
+                if part:
+                    message.tensor_part.CopyFrom(serialize_torch_tensor(torch.zeros(1)))
+                yield message
+
+            sender = SimpleNamespace(remote_id=member)
+            assert [m.code async for m in avg.rpc_aggregate_part(messages(), sender)] == [
+                averaging_pb2.BAD_GROUP_ID  # (a group it is not in)
+            ]
+
+        await send("slow", part=True, after=0.2)
+        await send("asker", part=False, after=0.2)
+        for _ in range(FIRST_PARTS_KEPT + 2):
+            await send("fast", part=True)
+        return avg._first_parts
+
+    delays = asyncio.run(scenario())
+    assert set(delays) == {"slow", "fast"}, delays
+    assert len(delays["slow"]) == 1 and 0.2 <= delays["slow"][0] < 0.5, delays
+    assert len(delays["fast"]) == FIRST_PARTS_KEPT and max(delays["fast"]) < 0.1, delays
 
 
 def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():

@@ -17,11 +17,14 @@ A round that is lost ends at once (end_early): a member that reduces a span and 
 its stream to this member by its start timeout (`start_timeouts`: a second, plus one and a half
 times the lag it declares, its longest recent step where rounds write their contribution at the
 first step past their slot, capped at 4 times the group's median lag; in 60 clean rounds of bench
-attack every member's first part came within 0.65 s of this member's start), or has sent nothing by
-the sender timeout (its span will have no average) ends it there rather than at the reducer
-timeout; so does a reducer that sent its parts yet, once every other span's averages came, has sent
-none of its own for its start timeout (a member frozen after sending its parts: rounds of 13.6 s
-where 3 s is typical in bench attack). A round that looked for its group when it was due then runs
+attack every member's first part came within 0.65 s of this member's start), or has opened it and
+sent no part within its first-part timeout of opening it (`first_part_timeouts`: the same second,
+plus three times the longest its first part took in its latest rounds here, so a slow link sets its
+own; a member not seen sending parts yet: none), or has sent nothing by the sender timeout (its
+span will have no average) ends it there rather than at the reducer timeout; so does a reducer
+that sent its parts yet, once every other span's averages came, has sent none of its own for its
+start timeout (a member frozen after sending its parts: rounds of 13.6 s where 3 s is typical in
+bench attack). A round that looked for its group when it was due then runs
 the same group again at once without the members whose silence ended it (`ended_over`, redo.py),
 where they make the round's quorum, and otherwise looks for another group, within the round's
 time; a round prepared for a slot fails, and the next slot comes.
@@ -80,6 +83,28 @@ that declares an absurd lag, or none, cannot keep its own silence from ending th
 (only the sender timeout would end it)."""
 
 
+FIRST_PART_TIMES = 3.0
+"""A member that opened its stream of parts to this one is waited for this many times the longest
+its first part took to come after its stream opened, in its latest rounds (FIRST_PARTS_KEPT),
+besides the start timeout's floor, before the round ends as lost (first_part_timeouts)."""
+FIRST_PARTS_KEPT = 8
+"""A member's latest first-part delays kept per peer (guarded.py)."""
+
+
+def first_part_timeouts(
+    delays: dict[Any, Collection[float]], members: Collection[Any], floor: float = START_FLOOR_S
+) -> dict[Any, float]:
+    """How long after opening its stream of parts each of `members` may take to send this member
+    its first part before the round ends (ExactAverageRunner): the floor plus FIRST_PART_TIMES
+    times the longest of its latest delays (`delays`: seconds from a stream's opening to its first
+    part, per peer, as this member measured them). A member with none measured has no such
+    timeout: it is waited for until the sender timeout, as every member was before (a slow link
+    shows in its own delays, so it is never held to a fast one's)."""
+    return {
+        peer: floor + FIRST_PART_TIMES * max(delays[peer]) for peer in members if delays.get(peer)
+    }
+
+
 def start_timeouts(users: list[dict[str, Any]], floor: float = START_FLOOR_S) -> list[float]:
     """Each member's start timeout, in group order (ExactAverageRunner), from what the members
     declared: the same on every member that uses the same `floor`."""
@@ -114,6 +139,7 @@ class ExactAverageRunner(CountedRunner):
         opened: dict[Any, float] | None = None,
         since: float = 0.0,
         start_timeouts: Collection[float] = (),
+        first_part_timeouts: dict[Any, float] | None = None,
         **kwargs: Any,
     ):
         """`out_of_sync`: members whose synchronized parameters differ from the group's
@@ -126,7 +152,8 @@ class ExactAverageRunner(CountedRunner):
         parts to this member (monotonic seconds), `since` when this member's previous group
         ended; `start_timeouts`, in group order: how long after this runner's start each member
         that reduces a span may take to open its stream before the round ends (end_early; none:
-        only at the sender timeout)."""
+        only at the sender timeout); `first_part_timeouts`: how long after opening it each may
+        take to send its first part (a member without one: until the sender timeout)."""
         super().__init__(**kwargs)
         self._leader = leader
         self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
@@ -150,6 +177,7 @@ class ExactAverageRunner(CountedRunner):
         self._opened: dict[Any, float] = {} if opened is None else opened
         self._since = since
         self._start_timeout = dict(zip(self.ordered_peer_ids, start_timeouts, strict=False))
+        self._first_part_timeout = dict(first_part_timeouts or {})
         self._verdict: asyncio.Task | None = None
         # reducers whose silence ended the round early: their verdicts (_name_if_no_averages)
         self._late: dict[Any, asyncio.Future] = {}
@@ -222,23 +250,21 @@ class ExactAverageRunner(CountedRunner):
 
     async def _handle_missing_senders(self) -> None:
         """hivemind's, with the round ended (end_early) where it has become all but sure to be
-        lost: at a member's start timeout, where it reduces a span and has not even opened its
-        stream to this member (its contribution was due within its declared lag; where it has
-        opened it, its parts may still be on their way over a slow link); at the sender
-        timeout, where such a member has sent nothing. Only a member that never opens its
-        stream is caught before the sender timeout."""
+        lost (_overdue): at a member's start timeout, where it reduces a span and has not even
+        opened its stream to this member (its contribution was due within its declared lag); at
+        its first-part timeout after it opened it, where it has sent no part (frozen as it began:
+        its first part, measured in its earlier rounds, would have come); at the sender timeout,
+        where such a member has sent nothing. A member whose first parts were never measured
+        here (a new one), or that sent some of its parts, is waited for until the sender
+        timeout: its parts may still be on their way over a slow link."""
         sender_timeout = math.inf if self.sender_timeout is None else self.sender_timeout
-        for timeout in sorted({t for t in self._start_timeout.values() if t < sender_timeout}):
-            if not await self._unstarted_by(timeout):
-                break
-            silent = [
-                p
-                for p in self._reducing(self._unheard_now())
-                if not self._contacted(p) and self._start_timeout.get(p, math.inf) <= timeout
-            ]
-            if silent:
-                self.end_early(f"{_names(silent)} opened no stream in {timeout:.1f} s", silent)
+        while True:
+            due, why, then = self._overdue(sender_timeout)
+            if due:
+                self.end_early(why, due)
                 return
+            if then >= sender_timeout or not await self._unstarted_by(then):
+                break
         if await self._unstarted_by(sender_timeout):
             for peer_id in self.sender_peer_ids:  # hivemind's: their parts are left out
                 if peer_id not in self.active_senders and peer_id not in self.banned_senders:
@@ -246,6 +272,39 @@ class ExactAverageRunner(CountedRunner):
         reducing = self._reducing(self._silent())
         if reducing:
             self.end_early(f"{_names(reducing)} sent nothing within the sender timeout", reducing)
+
+    def _overdue(self, sender_timeout: float) -> tuple[list[Any], str, float]:
+        """The members that reduce a span and whose silence is overdue now (end_early over
+        them), why, and when to look again (seconds from this runner's start: the earliest
+        timeout still to come, a stream's opening moving a member's later, never earlier). A
+        member that opened no stream this round is due at its start timeout; one that opened it
+        and has sent nothing, at its first-part timeout after that, never before its start
+        timeout (a stream from an earlier round's late parts makes no timeout shorter)."""
+        now = time.monotonic() - self._started
+        unopened: dict[Any, float] = {}
+        unsent: dict[Any, float] = {}
+        then = sender_timeout
+        for peer_id in self._reducing(self._unheard_now()):
+            start = self._start_timeout.get(peer_id, math.inf)
+            first = self._first_part_timeout.get(peer_id)
+            if not self._contacted(peer_id):
+                due, into, waited = start, unopened, start
+            elif first is None:
+                continue  # until the sender timeout
+            else:
+                opened = self._opened[peer_id] - self._started
+                due, into, waited = max(start, opened + first), unsent, first
+            if due <= now:
+                into[peer_id] = waited
+            else:
+                then = min(then, due)
+        if unopened:
+            why = f"{_names(list(unopened))} opened no stream in {max(unopened.values()):.1f} s"
+            return list(unopened), why, then
+        if unsent:
+            why = f"{_names(list(unsent))} opened a stream, no part in {max(unsent.values()):.1f} s"
+            return list(unsent), why, then
+        return [], "", then
 
     async def _unstarted_by(self, seconds: float) -> bool:
         """Whether some sender has not started by `seconds` after this runner's start."""

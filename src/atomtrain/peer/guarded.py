@@ -32,6 +32,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -60,7 +61,13 @@ from atomtrain.peer.audit import AuditedRunner
 from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_weights
 from atomtrain.peer.download import download_from
-from atomtrain.peer.exact import START_FLOOR_S, ExactAverageRunner, start_timeouts
+from atomtrain.peer.exact import (
+    FIRST_PARTS_KEPT,
+    START_FLOOR_S,
+    ExactAverageRunner,
+    first_part_timeouts,
+    start_timeouts,
+)
 from atomtrain.peer.exclusion import LeftOut
 from atomtrain.peer.forgers import FORGERS_READ_S, read_forgers
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
@@ -155,6 +162,7 @@ class GuardedAverager(DecentralizedAverager):
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
         self._opened: dict[PeerID, float] = {}  # peer -> when it last opened a stream of parts
+        self._first_parts: dict[PeerID, deque[float]] = {}  # peer -> its first parts' delays
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
         self._ran: dict[bytes, None] = {}  # groups this member ran, the latest HEARD_KEPT
         self._running: bytes | None = None  # the group this member runs now (its ID)
@@ -264,14 +272,17 @@ class GuardedAverager(DecentralizedAverager):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         # (before the gate, which may read the roster: its parts may take a while to come too;
         # the latest OPENED_KEPT callers kept, so callers the gate refuses cannot grow it)
+        opened = time.monotonic()
         self._opened.pop(context.remote_id, None)
-        self._opened[context.remote_id] = time.monotonic()
+        self._opened[context.remote_id] = opened
         keep_latest(self._opened, OPENED_KEPT)
         refused = not await self._gate.allows(self.dht, context.remote_id)
         if refused and not self._audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         first = await anext(stream)
+        if first.HasField("tensor_part") and not refused:  # (an ask carries none)
+            self._first_part_took(context.remote_id, time.monotonic() - opened)
         running = first.group_id in self._running_groups  # (as the request came)
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
@@ -301,6 +312,15 @@ class GuardedAverager(DecentralizedAverager):
         ):
             self._traffic.add(SENT, message)
             yield message
+
+    def _first_part_took(self, peer_id: PeerID, seconds: float) -> None:
+        """Keep how long `peer_id`'s first part took to come after its stream opened (its
+        latest FIRST_PARTS_KEPT, for the latest OPENED_KEPT peers): its first-part timeout
+        (exact.first_part_timeouts)."""
+        delays = self._first_parts.pop(peer_id, None) or deque(maxlen=FIRST_PARTS_KEPT)
+        delays.append(seconds)
+        self._first_parts[peer_id] = delays
+        keep_latest(self._first_parts, OPENED_KEPT)
 
     def _heard_of(self, group_id: bytes) -> set[PeerID]:
         """The members whose parts for `group_id` reached this member (the latest groups'
@@ -700,6 +720,9 @@ class GuardedAverager(DecentralizedAverager):
             opened=self._opened,
             since=self._group_ended,  # (set as this attempt ends)
             start_timeouts=start_timeouts(self._users(group_info), self._start_timeout_s),
+            first_part_timeouts=first_part_timeouts(
+                self._first_parts, group_info.peer_ids, self._start_timeout_s
+            ),
             leader=self._led_by.get(group_info.group_id),
             traffic=self._traffic,
             p2p=self._p2p,
