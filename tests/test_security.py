@@ -859,8 +859,8 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
     between the two) ended the round only at the sender timeout: 5 s in bench attack, two rounds
     where a round takes 2.5 s. Where its first parts were measured in earlier rounds (so its
     link's own speed is known), it is waited for its first-part timeout after the stream opened,
-    never less than its start timeout; one whose first parts were never measured here (a new
-    member, maybe on a slow link) is still waited for until the sender timeout."""
+    never less than its start timeout; where no first part was measured here at all (a new
+    swarm), it is still waited for until the sender timeout."""
     waited, why = start_waited(opened="b", first=0.2)
     assert 0.2 <= waited < 0.45 and why == "b opened a stream, no part in 0.2 s", (waited, why)
     waited, why = start_waited(opened="b", first=0.01)  # never before its start timeout
@@ -874,13 +874,18 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
 
 def test_a_first_part_timeout_is_the_floor_plus_three_times_the_members_slowest_first_part():
     """Each member's first-part timeout comes from its own latest delays, as this member
-    measured them: a slow link's are long, so it is never held to a fast one's; a member with
-    none measured gets none (the sender timeout)."""
+    measured them: a slow link's are long, so it is never held to a fast one's. A member with
+    none measured (new, or a staller that never sent a part) is held to the slowest of any
+    peer's; where none was measured at all, none (the sender timeout)."""
     delays = {"fast": [0.01, 0.03, 0.02], "slow": [1.5, 2.0], "none": []}
     assert first_part_timeouts(delays, ["fast", "slow", "none", "new"], floor=1.0) == {
         "fast": pytest.approx(1.09),
         "slow": pytest.approx(7.0),
+        "none": pytest.approx(7.0),
+        "new": pytest.approx(7.0),
     }
+    assert first_part_timeouts({"fast": [0.02]}, ["new"], floor=0.5) == {"new": pytest.approx(0.56)}
+    assert first_part_timeouts({"none": []}, ["none", "new"]) == {}
 
 
 async def reducer_waited(

@@ -20,12 +20,12 @@ first step past their slot, capped at 4 times the group's median lag; in 60 clea
 attack every member's first part came within 0.65 s of this member's start), or has opened it and
 sent no part within its first-part timeout of opening it (`first_part_timeouts`: the same second,
 plus three times the longest its first part took in its latest rounds here, so a slow link sets its
-own; a member not seen sending parts yet: none), or has sent nothing by the sender timeout (its
-span will have no average) ends it there rather than at the reducer timeout; so does a reducer
-that sent its parts yet, once every other span's averages came, has sent none of its own for its
-start timeout (a member frozen after sending its parts: rounds of 13.6 s where 3 s is typical in
-bench attack). A round that looked for its group when it was due then runs
-the same group again at once without the members whose silence ended it (`ended_over`, redo.py),
+own; a member not seen sending parts yet: the slowest any peer's took), or has sent nothing by the
+sender timeout (its span will have no average) ends it there rather than at the reducer timeout;
+so does a reducer that sent its parts yet, once every other span's averages came, has sent none
+of its own for its start timeout (a member frozen after sending its parts: rounds of 13.6 s where
+3 s is typical in bench attack). A round that looked for its group when it was due then runs the
+same group again at once without the members whose silence ended it (`ended_over`, redo.py),
 where they make the round's quorum, and otherwise looks for another group, within the round's
 time; a round prepared for a slot fails, and the next slot comes.
 
@@ -97,12 +97,20 @@ def first_part_timeouts(
     """How long after opening its stream of parts each of `members` may take to send this member
     its first part before the round ends (ExactAverageRunner): the floor plus FIRST_PART_TIMES
     times the longest of its latest delays (`delays`: seconds from a stream's opening to its first
-    part, per peer, as this member measured them). A member with none measured has no such
-    timeout: it is waited for until the sender timeout, as every member was before (a slow link
-    shows in its own delays, so it is never held to a fast one's)."""
-    return {
-        peer: floor + FIRST_PART_TIMES * max(delays[peer]) for peer in members if delays.get(peer)
-    }
+    part, per peer, as this member measured them), so a slow link is held to its own. A member
+    with none measured (new here, or one that never sent a part: bench attack's staller, frozen
+    in every group it joins) is held to the slowest any peer's latest took; where none was
+    measured at all, none (the sender timeout). A new member slower than every peer before it
+    loses the round it first joins (not named: its parts still come), and is timed by its own
+    from then on."""
+    slowest = max((max(d) for d in delays.values() if d), default=None)
+    timeouts = {}
+    for peer in members:
+        own = delays.get(peer)
+        longest = max(own) if own else slowest
+        if longest is not None:
+            timeouts[peer] = floor + FIRST_PART_TIMES * longest
+    return timeouts
 
 
 def start_timeouts(users: list[dict[str, Any]], floor: float = START_FLOOR_S) -> list[float]:
