@@ -794,13 +794,14 @@ def start_waited(
     start: float = 0.1,
     first: float | None = None,
     opens_at: float | None = None,
+    gate: float = 0.0,
 ) -> tuple[float, str]:
     """A runner of members me, a, b (a reduces no span; b does, and sends nothing): how long
     its wait for the senders ran, and how the round ended. The members `opened` names opened
     their stream of parts to it (`since`: when its previous group ended, relative to its start);
     `start`: b's start timeout (the others': 0.1 s); `first`: b's first-part timeout (None:
     none measured); `opens_at`: when b opens its stream, relative to the start, where it opens
-    one during the wait."""
+    one during the wait; `gate`: how long this member's gate takes to let a stream in."""
 
     async def scenario() -> tuple[float, str]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
@@ -816,11 +817,16 @@ def start_waited(
         runner._started = time.monotonic()
         runner._since = runner._started + since
         runner._opened = {p: runner._started for p in opened}
+        runner._admitted = {p: runner._started + gate for p in opened}
         runner._first_part_timeout = {} if first is None else {"b": first}
         runner._on_stall = lambda peer_id, why: None
+
+        def stamp(stamps: dict) -> None:
+            stamps["b"] = time.monotonic()
+
         if opens_at is not None:
-            stamp = lambda: runner._opened.__setitem__("b", time.monotonic())  # noqa: E731
-            asyncio.get_running_loop().call_later(opens_at, stamp)
+            asyncio.get_running_loop().call_later(opens_at, stamp, runner._opened)
+            asyncio.get_running_loop().call_later(opens_at + gate, stamp, runner._admitted)
         runner._future = asyncio.get_running_loop().create_future()
         runner.finalize = lambda exception=None: runner._future.set_exception(exception)
 
@@ -870,6 +876,9 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
     # opened during the wait, before its start timeout: timed from its opening
     waited, why = start_waited(opened="", start=0.3, first=0.3, opens_at=0.2)
     assert 0.5 <= waited < 0.75 and why == "b opened a stream, no part in 0.3 s", (waited, why)
+    # this member's own gate (a read of the roster) is no delay of b's: timed from the gate
+    waited, why = start_waited(opened="b", first=0.2, gate=0.3)
+    assert 0.5 <= waited < 0.75 and why == "b opened a stream, no part in 0.2 s", (waited, why)
 
 
 def test_a_first_part_timeout_is_the_floor_plus_three_times_the_members_slowest_first_part():
@@ -1127,7 +1136,7 @@ def handlers_alone() -> GuardedAverager:
     avg = GuardedAverager.__new__(GuardedAverager)
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
-    avg._heard, avg._opened, avg._ran, avg._first_parts = {}, {}, {}, {}
+    avg._heard, avg._opened, avg._ran, avg._admitted, avg._first_parts = {}, {}, {}, {}, {}
     avg._gave_up_on, avg._missed, avg._assembled, avg._requests = {}, {}, set(), 0
     avg._left_out = LeftOut(lambda peer_id, why, kind: None, lambda peer_id: False)
     return avg
@@ -1994,7 +2003,8 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
 
 def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks():
     """What a first-part timeout comes from (exact.first_part_timeouts): how long each peer's
-    first part took to come after its stream opened, measured as the handler gets it; an ask
+    first part took to come after this member's gate let its stream in, measured as the handler
+    gets it (the gate's own time not counted); an ask
     for this member's span (no part) measures nothing, and each peer's latest FIRST_PARTS_KEPT
     are kept."""
     from hivemind.compression import serialize_torch_tensor
@@ -2005,8 +2015,10 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
         avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
 
         async def send(member: str, part: bool, after: float = 0.0) -> None:
+            comes = time.monotonic() + after  # (read or not: a stream's part comes by itself)
+
             async def messages():
-                await asyncio.sleep(after)
+                await asyncio.sleep(max(comes - time.monotonic(), 0.0))
                 message = averaging_pb2.AveragingData(group_id=b"a", weight=1.0)
                 if part:
                     message.tensor_part.CopyFrom(serialize_torch_tensor(torch.zeros(1)))
@@ -2021,12 +2033,21 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
         await send("asker", part=False, after=0.2)
         for _ in range(FIRST_PARTS_KEPT + 2):
             await send("fast", part=True)
+
+        class SlowGate:  # a read of the roster
+            async def allows(self, dht, peer_id):
+                await asyncio.sleep(0.3)
+                return True
+
+        avg._gate = SlowGate()
+        await send("gated", part=True, after=0.2)  # its part came while the gate read
         return avg._first_parts
 
     delays = asyncio.run(scenario())
-    assert set(delays) == {"slow", "fast"}, delays
+    assert set(delays) == {"slow", "fast", "gated"}, delays
     assert len(delays["slow"]) == 1 and 0.2 <= delays["slow"][0] < 0.5, delays
     assert len(delays["fast"]) == FIRST_PARTS_KEPT and max(delays["fast"]) < 0.1, delays
+    assert delays["gated"][0] < 0.1, delays
 
 
 def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():

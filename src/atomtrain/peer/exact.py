@@ -94,10 +94,11 @@ FIRST_PARTS_KEPT = 8
 def first_part_timeouts(
     delays: dict[Any, Collection[float]], members: Collection[Any], floor: float = START_FLOOR_S
 ) -> dict[Any, float]:
-    """How long after opening its stream of parts each of `members` may take to send this member
-    its first part before the round ends (ExactAverageRunner): the floor plus FIRST_PART_TIMES
-    times the longest of its latest delays (`delays`: seconds from a stream's opening to its first
-    part, per peer, as this member measured them), so a slow link is held to its own. A member
+    """How long after this member's gate let its stream of parts in each of `members` may take
+    to send its first part before the round ends (ExactAverageRunner): the floor plus
+    FIRST_PART_TIMES times the longest of its latest delays (`delays`: seconds from a stream let
+    in to its first part, per peer, as this member measured them), so a slow link is held to its
+    own. A member
     with none measured (new here, or one that never sent a part: bench attack's staller, frozen
     in every group it joins) is held to the slowest any peer's latest took; where none was
     measured at all, none (the sender timeout). A new member slower than every peer before it
@@ -145,6 +146,7 @@ class ExactAverageRunner(CountedRunner):
         delta_keys: Collection[int] = (),
         heard: set[Any] | None = None,
         opened: dict[Any, float] | None = None,
+        admitted: dict[Any, float] | None = None,
         since: float = 0.0,
         start_timeouts: Collection[float] = (),
         first_part_timeouts: dict[Any, float] | None = None,
@@ -157,7 +159,8 @@ class ExactAverageRunner(CountedRunner):
         again each round until the member re-synchronizes. (The robust reducer leaves them out
         by itself; this is for an undefended round.) `leader`: the member that formed the group
         and told the others of it (finalize). `opened`: when each peer last opened a stream of
-        parts to this member (monotonic seconds), `since` when this member's previous group
+        parts to this member (monotonic seconds), `admitted` when this member's gate last let one
+        in (its first part is timed from there), `since` when this member's previous group
         ended; `start_timeouts`, in group order: how long after this runner's start each member
         that reduces a span may take to open its stream before the round ends (end_early; none:
         only at the sender timeout); `first_part_timeouts`: how long after opening it each may
@@ -183,6 +186,7 @@ class ExactAverageRunner(CountedRunner):
         # (before this member started it, or after it ended: guarded.py records them)
         self._heard_late: set[Any] = set() if heard is None else heard
         self._opened: dict[Any, float] = {} if opened is None else opened
+        self._admitted: dict[Any, float] = {} if admitted is None else admitted
         self._since = since
         self._start_timeout = dict(zip(self.ordered_peer_ids, start_timeouts, strict=False))
         self._first_part_timeout = dict(first_part_timeouts or {})
@@ -262,9 +266,9 @@ class ExactAverageRunner(CountedRunner):
         opened its stream to this member (its contribution was due within its declared lag); at
         its first-part timeout after it opened it, where it has sent no part (frozen as it began:
         its first part, measured in its earlier rounds, would have come); at the sender timeout,
-        where such a member has sent nothing. A member whose first parts were never measured
-        here (a new one), or that sent some of its parts, is waited for until the sender
-        timeout: its parts may still be on their way over a slow link."""
+        where such a member has sent nothing. A member that sent some of its parts, or any
+        member where no first part was measured here yet (a new swarm), is waited for until the
+        sender timeout: its parts may still be on their way over a slow link."""
         sender_timeout = math.inf if self.sender_timeout is None else self.sender_timeout
         while True:
             due, why, then = self._overdue(sender_timeout)
@@ -286,8 +290,9 @@ class ExactAverageRunner(CountedRunner):
         them), why, and when to look again (seconds from this runner's start: the earliest
         timeout still to come, a stream's opening moving a member's later, never earlier). A
         member that opened no stream this round is due at its start timeout; one that opened it
-        and has sent nothing, at its first-part timeout after that, never before its start
-        timeout (a stream from an earlier round's late parts makes no timeout shorter)."""
+        and has sent nothing, at its first-part timeout after this member's gate let the stream
+        in (while the gate still checks it, not yet), never before its start timeout (a stream
+        from an earlier round's late parts makes no timeout shorter)."""
         now = time.monotonic() - self._started
         unopened: dict[Any, float] = {}
         unsent: dict[Any, float] = {}
@@ -299,9 +304,12 @@ class ExactAverageRunner(CountedRunner):
                 due, into, waited = start, unopened, start
             elif first is None:
                 continue  # until the sender timeout
+            elif self._admitted.get(peer_id, -math.inf) <= self._since:  # the gate checks it
+                then = min(then, now + WATCH_S)
+                continue
             else:
-                opened = self._opened[peer_id] - self._started
-                due, into, waited = max(start, opened + first), unsent, first
+                admitted = self._admitted[peer_id] - self._started
+                due, into, waited = max(start, admitted + first), unsent, first
             if due <= now:
                 into[peer_id] = waited
             else:

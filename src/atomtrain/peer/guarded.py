@@ -162,6 +162,7 @@ class GuardedAverager(DecentralizedAverager):
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
         self._opened: dict[PeerID, float] = {}  # peer -> when it last opened a stream of parts
+        self._admitted: dict[PeerID, float] = {}  # peer -> when the gate let its stream in last
         self._first_parts: dict[PeerID, deque[float]] = {}  # peer -> its first parts' delays
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
         self._ran: dict[bytes, None] = {}  # groups this member ran, the latest HEARD_KEPT
@@ -272,17 +273,22 @@ class GuardedAverager(DecentralizedAverager):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         # (before the gate, which may read the roster: its parts may take a while to come too;
         # the latest OPENED_KEPT callers kept, so callers the gate refuses cannot grow it)
-        opened = time.monotonic()
         self._opened.pop(context.remote_id, None)
-        self._opened[context.remote_id] = opened
+        self._opened[context.remote_id] = time.monotonic()
         keep_latest(self._opened, OPENED_KEPT)
         refused = not await self._gate.allows(self.dht, context.remote_id)
         if refused and not self._audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        # its first part is timed from here: this member's own gate (a read of the roster for a
+        # caller not verified lately) is no delay of the caller's
+        admitted = time.monotonic()
+        self._admitted.pop(context.remote_id, None)
+        self._admitted[context.remote_id] = admitted
+        keep_latest(self._admitted, OPENED_KEPT)
         first = await anext(stream)
         if first.HasField("tensor_part") and not refused:  # (an ask carries none)
-            self._first_part_took(context.remote_id, time.monotonic() - opened)
+            self._first_part_took(context.remote_id, time.monotonic() - admitted)
         running = first.group_id in self._running_groups  # (as the request came)
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
@@ -314,7 +320,7 @@ class GuardedAverager(DecentralizedAverager):
             yield message
 
     def _first_part_took(self, peer_id: PeerID, seconds: float) -> None:
-        """Keep how long `peer_id`'s first part took to come after its stream opened (its
+        """Keep how long `peer_id`'s first part took to come after the gate let its stream in (its
         latest FIRST_PARTS_KEPT, for the latest OPENED_KEPT peers): its first-part timeout
         (exact.first_part_timeouts)."""
         delays = self._first_parts.pop(peer_id, None) or deque(maxlen=FIRST_PARTS_KEPT)
@@ -718,6 +724,7 @@ class GuardedAverager(DecentralizedAverager):
             **extra,
             heard=self._heard_of(group_id),
             opened=self._opened,
+            admitted=self._admitted,
             since=self._group_ended,  # (set as this attempt ends)
             start_timeouts=start_timeouts(self._users(group_info), self._start_timeout_s),
             first_part_timeouts=first_part_timeouts(
