@@ -1137,6 +1137,7 @@ def handlers_alone() -> GuardedAverager:
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
     avg._heard, avg._opened, avg._ran, avg._admitted, avg._first_parts = {}, {}, {}, {}, {}
+    avg.allreduce_kwargs = {}
     avg._gave_up_on, avg._missed, avg._assembled, avg._requests = {}, {}, set(), 0
     avg._left_out = LeftOut(lambda peer_id, why, kind: None, lambda peer_id: False)
     return avg
@@ -2004,7 +2005,8 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
 def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks():
     """What a first-part timeout comes from (exact.first_part_timeouts): how long each peer's
     first part took to come after this member's gate let its stream in, measured as the handler
-    gets it (the gate's own time not counted); an ask
+    gets it (the gate's own time not counted; one past the sender timeout not at all: its sender
+    was stopped, bench attack's staller waking); an ask
     for this member's span (no part) measures nothing, and each peer's latest FIRST_PARTS_KEPT
     are kept."""
     from hivemind.compression import serialize_torch_tensor
@@ -2041,6 +2043,8 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
 
         avg._gate = SlowGate()
         await send("gated", part=True, after=0.2)  # its part came while the gate read
+        avg.allreduce_kwargs["sender_timeout"] = 0.3
+        await send("stopped", part=True, after=0.8)  # past the sender timeout: no measure
         return avg._first_parts
 
     delays = asyncio.run(scenario())

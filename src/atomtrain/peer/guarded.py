@@ -322,7 +322,13 @@ class GuardedAverager(DecentralizedAverager):
     def _first_part_took(self, peer_id: PeerID, seconds: float) -> None:
         """Keep how long `peer_id`'s first part took to come after the gate let its stream in (its
         latest FIRST_PARTS_KEPT, for the latest OPENED_KEPT peers): its first-part timeout
-        (exact.first_part_timeouts)."""
+        (exact.first_part_timeouts). One that took the sender timeout or more is no measure of
+        its link: no round would have waited for it, and its sender was stopped, not slow (bench
+        attack's staller, frozen after opening its streams, sends its first parts as it wakes,
+        17 s later; kept, that gave it the sender timeout in every later round)."""
+        timeout = self.allreduce_kwargs.get("sender_timeout")
+        if timeout is not None and seconds >= timeout:
+            return
         delays = self._first_parts.pop(peer_id, None) or deque(maxlen=FIRST_PARTS_KEPT)
         delays.append(seconds)
         self._first_parts[peer_id] = delays
