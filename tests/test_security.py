@@ -870,7 +870,7 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
     waited, why = start_waited(opened="b", first=0.2)
     assert 0.2 <= waited < 0.45 and why == "b opened a stream, no part in 0.2 s", (waited, why)
     waited, why = start_waited(opened="b", first=0.01)  # never before its start timeout
-    assert 0.1 <= waited < 0.35 and why == "b opened a stream, no part in 0.0 s", (waited, why)
+    assert 0.1 <= waited < 0.35 and why == "b opened a stream, no part in 0.1 s", (waited, why)
     waited, why = start_waited(opened="b")  # none measured: the sender timeout, as before
     assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
     # opened during the wait, before its start timeout: timed from its opening
@@ -884,15 +884,18 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
 def test_a_first_part_timeout_is_the_floor_plus_three_times_the_members_slowest_first_part():
     """Each member's first-part timeout comes from its own latest delays, as this member
     measured them: a slow link's are long, so it is never held to a fast one's. A member with
-    none measured (new, or a staller that never sent a part) is held to the slowest of any
-    peer's; where none was measured at all, none (the sender timeout)."""
+    none measured (new, or a staller that never sent a part) is held to the lower median of
+    the measured peers' slowest (one slow peer does not set it for all); where none was
+    measured at all, none (the sender timeout)."""
     delays = {"fast": [0.01, 0.03, 0.02], "slow": [1.5, 2.0], "none": []}
     assert first_part_timeouts(delays, ["fast", "slow", "none", "new"], floor=1.0) == {
         "fast": pytest.approx(1.09),
         "slow": pytest.approx(7.0),
-        "none": pytest.approx(7.0),
-        "new": pytest.approx(7.0),
+        "none": pytest.approx(1.09),
+        "new": pytest.approx(1.09),
     }
+    three = {"a": [0.1], "b": [0.2], "c": [4.0]}
+    assert first_part_timeouts(three, ["new"], floor=1.0) == {"new": pytest.approx(1.6)}
     assert first_part_timeouts({"fast": [0.02]}, ["new"], floor=0.5) == {"new": pytest.approx(0.56)}
     assert first_part_timeouts({"none": []}, ["none", "new"]) == {}
 
@@ -1120,6 +1123,7 @@ class AnsweringRunner:
     """What a group's all-reduce answers a part with."""
 
     over = False
+    sender_peer_ids: tuple = ()
 
     async def rpc_aggregate_part(self, stream, context):
         async for part in stream:
@@ -2003,38 +2007,47 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
 
 
 def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks():
-    """What a first-part timeout comes from (exact.first_part_timeouts): how long each peer's
-    first part took to come after this member's gate let its stream in, measured as the handler
-    gets it (the gate's own time not counted; one past the sender timeout not at all: its sender
-    was stopped, bench attack's staller waking); an ask
-    for this member's span (no part) measures nothing, and each peer's latest FIRST_PARTS_KEPT
-    are kept."""
+    """What a first-part timeout comes from (exact.first_part_timeouts): how long each member's
+    first part of a group this member runs took to come after this member's gate let its stream
+    in, measured as the handler gets it (the gate's own time not counted; one past the sender
+    timeout not at all: its sender was stopped, bench attack's staller waking). A part for a
+    group this member is not running, or from a peer not in the group, measures nothing (anyone
+    could set its own delays at no cost), nor does an ask for this member's span (no part),
+    which leaves the caller's stamps as they were; each peer's latest FIRST_PARTS_KEPT are
+    kept."""
     from hivemind.compression import serialize_torch_tensor
 
-    async def scenario() -> dict:
+    members = ("slow", "fast", "gated", "stopped", "asker")
+
+    async def scenario() -> tuple[dict, dict]:
         avg = handlers_alone()
         avg._running_groups, avg._assembled, avg._asking = {}, set(), 0
         avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
+        runner = AnsweringRunner()
+        runner.sender_peer_ids = members
+        avg._running_groups[b"a"] = asyncio.Future()
+        avg._running_groups[b"a"].set_result(runner)
 
-        async def send(member: str, part: bool, after: float = 0.0) -> None:
+        async def send(member: str, part: bool, after: float = 0.0, group: bytes = b"a") -> None:
             comes = time.monotonic() + after  # (read or not: a stream's part comes by itself)
 
             async def messages():
                 await asyncio.sleep(max(comes - time.monotonic(), 0.0))
-                message = averaging_pb2.AveragingData(group_id=b"a", weight=1.0)
+                message = averaging_pb2.AveragingData(group_id=group, weight=1.0)
                 if part:
                     message.tensor_part.CopyFrom(serialize_torch_tensor(torch.zeros(1)))
                 yield message
 
             sender = SimpleNamespace(remote_id=member)
-            assert [m.code async for m in avg.rpc_aggregate_part(messages(), sender)] == [
-                averaging_pb2.BAD_GROUP_ID  # (a group it is not in)
-            ]
+            [m.code async for m in avg.rpc_aggregate_part(messages(), sender)]
 
         await send("slow", part=True, after=0.2)
+        avg._opened["asker"] = avg._admitted["asker"] = 1.0
         await send("asker", part=False, after=0.2)
         for _ in range(FIRST_PARTS_KEPT + 2):
             await send("fast", part=True)
+        await send("outsider", part=True)  # not in the group
+        await send("slow", part=True, group=b"z" * 20)  # a group it runs not
 
         class SlowGate:  # a read of the roster
             async def allows(self, dht, peer_id):
@@ -2045,13 +2058,17 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
         await send("gated", part=True, after=0.2)  # its part came while the gate read
         avg.allreduce_kwargs["sender_timeout"] = 0.3
         await send("stopped", part=True, after=0.8)  # past the sender timeout: no measure
-        return avg._first_parts
+        return avg._first_parts, {
+            "opened": avg._opened["asker"],
+            "admitted": avg._admitted["asker"],
+        }
 
-    delays = asyncio.run(scenario())
+    delays, asker = asyncio.run(scenario())
     assert set(delays) == {"slow", "fast", "gated"}, delays
     assert len(delays["slow"]) == 1 and 0.2 <= delays["slow"][0] < 0.5, delays
     assert len(delays["fast"]) == FIRST_PARTS_KEPT and max(delays["fast"]) < 0.1, delays
     assert delays["gated"][0] < 0.1, delays
+    assert asker == {"opened": 1.0, "admitted": 1.0}, asker  # the ask left its stamps be
 
 
 def test_join_requests_out_are_counted_through_redirects_errors_and_cancels():

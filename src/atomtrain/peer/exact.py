@@ -17,17 +17,18 @@ A round that is lost ends at once (end_early): a member that reduces a span and 
 its stream to this member by its start timeout (`start_timeouts`: a second, plus one and a half
 times the lag it declares, its longest recent step where rounds write their contribution at the
 first step past their slot, capped at 4 times the group's median lag; in 60 clean rounds of bench
-attack every member's first part came within 0.65 s of this member's start), or has opened it and
-sent no part within its first-part timeout of opening it (`first_part_timeouts`: the same second,
-plus three times the longest its first part took in its latest rounds here, so a slow link sets its
-own; a member not seen sending parts yet: the slowest any peer's took), or has sent nothing by the
-sender timeout (its span will have no average) ends it there rather than at the reducer timeout;
-so does a reducer that sent its parts yet, once every other span's averages came, has sent none
-of its own for its start timeout (a member frozen after sending its parts: rounds of 13.6 s where
-3 s is typical in bench attack). A round that looked for its group when it was due then runs the
-same group again at once without the members whose silence ended it (`ended_over`, redo.py),
-where they make the round's quorum, and otherwise looks for another group, within the round's
-time; a round prepared for a slot fails, and the next slot comes.
+attack every member's first part came within 0.65 s of this member's start), or has opened it
+and sent no part within its first-part timeout after this member's gate let it in
+(`first_part_timeouts`: the same second, plus three times the longest its first part took in its
+latest rounds here, so a slow link sets its own; a member not seen sending parts yet: the lower
+median of the others' longest), or has sent nothing by the sender timeout (its span will have no
+average) ends it there rather than at the reducer timeout; so does a reducer that sent its parts
+yet, once every other span's averages came, has sent none of its own for its start timeout (a
+member frozen after sending its parts: rounds of 13.6 s where 3 s is typical in bench attack). A
+round that looked for its group when it was due then runs the same group again at once without
+the members whose silence ended it (`ended_over`, redo.py), where they make the round's quorum,
+and otherwise looks for another group, within the round's time; a round prepared for a slot
+fails, and the next slot comes.
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
 its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout; where
@@ -85,7 +86,8 @@ that declares an absurd lag, or none, cannot keep its own silence from ending th
 
 FIRST_PART_TIMES = 3.0
 """A member that opened its stream of parts to this one is waited for this many times the longest
-its first part took to come after its stream opened, in its latest rounds (FIRST_PARTS_KEPT),
+its first part took to come after this member's gate let its stream in, in its latest rounds
+(FIRST_PARTS_KEPT),
 besides the start timeout's floor, before the round ends as lost (first_part_timeouts)."""
 FIRST_PARTS_KEPT = 8
 """A member's latest first-part delays kept per peer (guarded.py)."""
@@ -100,17 +102,20 @@ def first_part_timeouts(
     in to its first part, per peer, as this member measured them), so a slow link is held to its
     own. A member
     with none measured (new here, or one that never sent a part: bench attack's staller, frozen
-    in every group it joins) is held to the slowest any peer's latest took; where none was
-    measured at all, none (the sender timeout). A new member slower than every peer before it
-    loses the round it first joins (not named: its parts still come), and is timed by its own
-    from then on."""
-    slowest = max((max(d) for d in delays.values() if d), default=None)
+    in every group it joins) is held to the lower median, over the peers measured, of each one's
+    slowest (no one peer's slow parts set it for everyone); where none was measured at all,
+    none (the sender timeout). A new member slower than that loses the round it first joins
+    (not named: its parts still come), and is timed by its own from then on. A member can
+    still lengthen its own timeout with a slow first part in a round it is in (up to the sender
+    timeout, and that round waits for it): no worse than the sender timeout it had before."""
+    longest = sorted(max(d) for d in delays.values() if d)
+    typical = longest[(len(longest) - 1) // 2] if longest else None
     timeouts = {}
     for peer in members:
         own = delays.get(peer)
-        longest = max(own) if own else slowest
-        if longest is not None:
-            timeouts[peer] = floor + FIRST_PART_TIMES * longest
+        slowest = max(own) if own else typical
+        if slowest is not None:
+            timeouts[peer] = floor + FIRST_PART_TIMES * slowest
     return timeouts
 
 
@@ -163,7 +168,7 @@ class ExactAverageRunner(CountedRunner):
         in (its first part is timed from there), `since` when this member's previous group
         ended; `start_timeouts`, in group order: how long after this runner's start each member
         that reduces a span may take to open its stream before the round ends (end_early; none:
-        only at the sender timeout); `first_part_timeouts`: how long after opening it each may
+        only at the sender timeout); `first_part_timeouts`: how long after `admitted` each may
         take to send its first part (a member without one: until the sender timeout)."""
         super().__init__(**kwargs)
         self._leader = leader
@@ -277,6 +282,10 @@ class ExactAverageRunner(CountedRunner):
                 return
             if then >= sender_timeout or not await self._unstarted_by(then):
                 break
+            if time.monotonic() - self._started - then > 2 * WATCH_S:
+                # woke late (this member's own process stopped or starved): parts that came
+                # meanwhile may still wait in its handlers, not yet heard; let them in first
+                await asyncio.sleep(WATCH_S)
         if await self._unstarted_by(sender_timeout):
             for peer_id in self.sender_peer_ids:  # hivemind's: their parts are left out
                 if peer_id not in self.active_senders and peer_id not in self.banned_senders:
@@ -309,18 +318,22 @@ class ExactAverageRunner(CountedRunner):
                 continue
             else:
                 admitted = self._admitted[peer_id] - self._started
-                due, into, waited = max(start, admitted + first), unsent, first
+                due, into = max(start, admitted + first), unsent
+                waited = due - admitted
             if due <= now:
                 into[peer_id] = waited
             else:
                 then = min(then, due)
+        whys = []
         if unopened:
-            why = f"{_names(list(unopened))} opened no stream in {max(unopened.values()):.1f} s"
-            return list(unopened), why, then
+            whys.append(
+                f"{_names(list(unopened))} opened no stream in {max(unopened.values()):.1f} s"
+            )
         if unsent:
-            why = f"{_names(list(unsent))} opened a stream, no part in {max(unsent.values()):.1f} s"
-            return list(unsent), why, then
-        return [], "", then
+            whys.append(
+                f"{_names(list(unsent))} opened a stream, no part in {max(unsent.values()):.1f} s"
+            )
+        return [*unopened, *unsent], "; ".join(whys), then
 
     async def _unstarted_by(self, seconds: float) -> bool:
         """Whether some sender has not started by `seconds` after this runner's start."""

@@ -273,22 +273,21 @@ class GuardedAverager(DecentralizedAverager):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         # (before the gate, which may read the roster: its parts may take a while to come too;
         # the latest OPENED_KEPT callers kept, so callers the gate refuses cannot grow it)
-        self._opened.pop(context.remote_id, None)
-        self._opened[context.remote_id] = time.monotonic()
-        keep_latest(self._opened, OPENED_KEPT)
-        refused = not await self._gate.allows(self.dht, context.remote_id)
+        caller = context.remote_id
+        was_opened = _stamp(self._opened, caller)
+        refused = not await self._gate.allows(self.dht, caller)
         if refused and not self._audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         # its first part is timed from here: this member's own gate (a read of the roster for a
         # caller not verified lately) is no delay of the caller's
-        admitted = time.monotonic()
-        self._admitted.pop(context.remote_id, None)
-        self._admitted[context.remote_id] = admitted
-        keep_latest(self._admitted, OPENED_KEPT)
+        was_admitted = _stamp(self._admitted, caller)
+        admitted = self._admitted[caller]
         first = await anext(stream)
-        if first.HasField("tensor_part") and not refused:  # (an ask carries none)
-            self._first_part_took(context.remote_id, time.monotonic() - admitted)
+        came = time.monotonic()
+        if not first.HasField("tensor_part"):  # an ask for this member's span: no stream of parts
+            _unstamp(self._opened, caller, was_opened)
+            _unstamp(self._admitted, caller, was_admitted)
         running = first.group_id in self._running_groups  # (as the request came)
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
@@ -309,6 +308,8 @@ class GuardedAverager(DecentralizedAverager):
             # anyone else this one refuses stays refused
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        if first.HasField("tensor_part") and not refused and caller in group.sender_peer_ids:
+            self._first_part_took(caller, came - admitted)  # (a member's, of a group it is in)
         # the reducer's side of this member's traffic: parts in, averages out. (To the group's
         # runner itself: hivemind's handler looks the group up again, and where its round had
         # ended meanwhile it waited for this member's next group to answer. A member that asked
@@ -322,7 +323,9 @@ class GuardedAverager(DecentralizedAverager):
     def _first_part_took(self, peer_id: PeerID, seconds: float) -> None:
         """Keep how long `peer_id`'s first part took to come after the gate let its stream in (its
         latest FIRST_PARTS_KEPT, for the latest OPENED_KEPT peers): its first-part timeout
-        (exact.first_part_timeouts). One that took the sender timeout or more is no measure of
+        (exact.first_part_timeouts). Only a member's part of a group this member runs, whose
+        round is not over, counts: a part for a made-up group would let anyone set its own
+        delays at no cost. One that took the sender timeout or more is no measure of
         its link: no round would have waited for it, and its sender was stopped, not slow (bench
         attack's staller, frozen after opening its streams, sends its first parts as it wakes,
         17 s later; kept, that gave it the sender timeout in every later round)."""
@@ -852,3 +855,18 @@ def keep_latest(entries: dict[Any, Any], most: int) -> None:
     """Drop the oldest of `entries` (insertion order) until at most `most` are left."""
     while len(entries) > most:
         del entries[next(iter(entries))]
+
+
+def _stamp(stamps: dict[Any, float], peer_id: Any) -> float | None:
+    """Stamp `peer_id` now, the latest OPENED_KEPT peers kept; its stamp before, if any."""
+    was = stamps.pop(peer_id, None)
+    stamps[peer_id] = time.monotonic()
+    keep_latest(stamps, OPENED_KEPT)
+    return was
+
+
+def _unstamp(stamps: dict[Any, float], peer_id: Any, was: float | None) -> None:
+    """Put back `peer_id`'s stamp from before (_stamp): the request was no stream of parts."""
+    stamps.pop(peer_id, None)
+    if was is not None:
+        stamps[peer_id] = was
