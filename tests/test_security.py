@@ -795,13 +795,15 @@ def start_waited(
     first: float | None = None,
     opens_at: float | None = None,
     gate: float = 0.0,
+    delivered: bool = False,
 ) -> tuple[float, str]:
     """A runner of members me, a, b (a reduces no span; b does, and sends nothing): how long
     its wait for the senders ran, and how the round ended. The members `opened` names opened
     their stream of parts to it (`since`: when its previous group ended, relative to its start);
     `start`: b's start timeout (the others': 0.1 s); `first`: b's first-part timeout (None:
     none measured); `opens_at`: when b opens its stream, relative to the start, where it opens
-    one during the wait; `gate`: how long this member's gate takes to let a stream in."""
+    one during the wait; `gate`: how long this member's gate takes to let a stream in;
+    `delivered`: b's stream has brought a part (of another group) already."""
 
     async def scenario() -> tuple[float, str]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
@@ -817,7 +819,7 @@ def start_waited(
         runner._started = time.monotonic()
         runner._since = runner._started + since
         runner._opened = {p: runner._started for p in opened}
-        runner._admitted = {p: runner._started + gate for p in opened}
+        runner._admitted = {p: runner._started + gate for p in opened if not delivered}
         runner._first_part_timeout = {} if first is None else {"b": first}
         runner._on_stall = lambda peer_id, why: None
 
@@ -864,13 +866,17 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
     """A member frozen just after opening its stream of parts (bench attack's staller, caught
     between the two) ended the round only at the sender timeout: 5 s in bench attack, two rounds
     where a round takes 2.5 s. Where its first parts were measured in earlier rounds (so its
-    link's own speed is known), it is waited for its first-part timeout after the stream opened,
-    never less than its start timeout; where no first part was measured here at all (a new
-    swarm), it is still waited for until the sender timeout."""
+    link's own speed is known), it is waited for its first-part timeout after this member's gate
+    let the stream in, whenever this member started (members that started apart end together);
+    where no first part was measured here at all (a new swarm), or its stream already brought a
+    part of another group, it is still waited for until the sender timeout."""
     waited, why = start_waited(opened="b", first=0.2)
     assert 0.2 <= waited < 0.45 and why == "b opened a stream, no part in 0.2 s", (waited, why)
-    waited, why = start_waited(opened="b", first=0.01)  # never before its start timeout
-    assert 0.1 <= waited < 0.35 and why == "b opened a stream, no part in 0.1 s", (waited, why)
+    waited, why = start_waited(opened="b", first=0.05)  # timed from the stream, not the start
+    assert waited < 0.1 and why == "b opened a stream, no part in 0.1 s", (waited, why)
+    # its stream brought a part of another group (late parts of an earlier one): not timed
+    waited, why = start_waited(opened="b", first=0.05, delivered=True)
+    assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
     waited, why = start_waited(opened="b")  # none measured: the sender timeout, as before
     assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
     # opened during the wait, before its start timeout: timed from its opening

@@ -170,8 +170,8 @@ class PeerSection:
     where rounds write their contribution at their slot) before the round ends as lost (peer/
     exact.py); also how long, besides three times its slowest first part of its latest rounds
     (for a member with none measured, the lower median of the others' slowest), a member that
-    opened its stream may take to send its first part once this member let the stream in,
-    never less than its start timeout. On one machine every
+    opened its stream may take to send its first part once this member let the stream in. On
+    one machine every
     member's first part came within 0.65 s; raise it on links with long round trips, where
     opening a stream takes several."""
     state_timeout_s: float = 60.0

@@ -298,10 +298,11 @@ class ExactAverageRunner(CountedRunner):
         """The members that reduce a span and whose silence is overdue now (end_early over
         them), why, and when to look again (seconds from this runner's start: the earliest
         timeout still to come, a stream's opening moving a member's later, never earlier). A
-        member that opened no stream this round is due at its start timeout; one that opened it
-        and has sent nothing, at its first-part timeout after this member's gate let the stream
-        in (while the gate still checks it, not yet), never before its start timeout (a stream
-        from an earlier round's late parts makes no timeout shorter)."""
+        member that opened no stream this round is due at its start timeout; one whose stream of
+        parts this member's gate let in and that has sent no part on it, at its first-part
+        timeout after that (`admitted` holds only streams still waiting for their first part:
+        a stream that brought a late part of an earlier group times nothing), whenever this
+        member started the round (members that started it apart end it together)."""
         now = time.monotonic() - self._started
         unopened: dict[Any, float] = {}
         unsent: dict[Any, float] = {}
@@ -313,13 +314,14 @@ class ExactAverageRunner(CountedRunner):
                 due, into, waited = start, unopened, start
             elif first is None:
                 continue  # until the sender timeout
-            elif self._admitted.get(peer_id, -math.inf) <= self._since:  # the gate checks it
+            elif self._admitted.get(peer_id, -math.inf) <= self._since:
+                # the gate still checks its stream, or that stream brought a part of another
+                # group: not timed (look again soon: a stream let in now is)
                 then = min(then, now + WATCH_S)
                 continue
             else:
                 admitted = self._admitted[peer_id] - self._started
-                due, into = max(start, admitted + first), unsent
-                waited = due - admitted
+                due, into, waited = admitted + first, unsent, first
             if due <= now:
                 into[peer_id] = waited
             else:

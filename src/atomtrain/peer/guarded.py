@@ -162,7 +162,7 @@ class GuardedAverager(DecentralizedAverager):
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
         self._opened: dict[PeerID, float] = {}  # peer -> when it last opened a stream of parts
-        self._admitted: dict[PeerID, float] = {}  # peer -> when the gate let its stream in last
+        self._admitted: dict[PeerID, float] = {}  # peer -> its stream let in, no first part yet
         self._first_parts: dict[PeerID, deque[float]] = {}  # peer -> its first parts' delays
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
         self._ran: dict[bytes, None] = {}  # groups this member ran, the latest HEARD_KEPT
@@ -280,14 +280,19 @@ class GuardedAverager(DecentralizedAverager):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         # its first part is timed from here: this member's own gate (a read of the roster for a
-        # caller not verified lately) is no delay of the caller's
+        # caller not verified lately) is no delay of the caller's. Stamped until it comes
         was_admitted = _stamp(self._admitted, caller)
         admitted = self._admitted[caller]
-        first = await anext(stream)
-        came = time.monotonic()
+        try:
+            first = await anext(stream)
+        finally:
+            came = time.monotonic()
+            if self._admitted.get(caller) == admitted:  # (no later stream of its own since)
+                _unstamp(self._admitted, caller, None)
         if not first.HasField("tensor_part"):  # an ask for this member's span: no stream of parts
             _unstamp(self._opened, caller, was_opened)
-            _unstamp(self._admitted, caller, was_admitted)
+            if caller not in self._admitted:  # a stream of parts it had let in before still waits
+                _unstamp(self._admitted, caller, was_admitted)
         running = first.group_id in self._running_groups  # (as the request came)
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
