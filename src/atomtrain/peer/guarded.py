@@ -275,6 +275,7 @@ class GuardedAverager(DecentralizedAverager):
         # the latest OPENED_KEPT callers kept, so callers the gate refuses cannot grow it)
         caller = context.remote_id
         was_opened = _stamp(self._opened, caller)
+        opened = self._opened[caller]
         refused = not await self._gate.allows(self.dht, caller)
         if refused and not self._audited:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
@@ -290,7 +291,8 @@ class GuardedAverager(DecentralizedAverager):
             if self._admitted.get(caller) == admitted:  # (no later stream of its own since)
                 _unstamp(self._admitted, caller, None)
         if not first.HasField("tensor_part"):  # an ask for this member's span: no stream of parts
-            _unstamp(self._opened, caller, was_opened)
+            if self._opened.get(caller) == opened:  # (no stream of parts opened meanwhile)
+                _unstamp(self._opened, caller, was_opened)
             if caller not in self._admitted:  # a stream of parts it had let in before still waits
                 _unstamp(self._admitted, caller, was_admitted)
         running = first.group_id in self._running_groups  # (as the request came)
