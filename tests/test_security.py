@@ -1221,9 +1221,13 @@ def test_only_the_latest_callers_streams_are_remembered():
         avg._running_groups, avg._assembled, avg._ran = {}, set(), {}
         avg._matchmaking = SimpleNamespace(is_looking_for_group=False)
 
+        from hivemind.compression import serialize_torch_tensor
+
+        tensor = serialize_torch_tensor(torch.zeros(1))
+
         async def served(caller: str) -> None:
-            async def part():
-                yield averaging_pb2.AveragingData(group_id=b"none", weight=1.0)
+            async def part():  # (a part: an ask, with none, puts its caller's stamp back)
+                yield averaging_pb2.AveragingData(group_id=b"none", weight=1.0, tensor_part=tensor)
 
             [m async for m in avg.rpc_aggregate_part(part(), SimpleNamespace(remote_id=caller))]
 
