@@ -297,7 +297,8 @@ class ExactAverageRunner(CountedRunner):
     def _overdue(self, sender_timeout: float) -> tuple[list[Any], str, float]:
         """The members that reduce a span and whose silence is overdue now (end_early over
         them), why, and when to look again (seconds from this runner's start: the earliest
-        timeout still to come, a stream's opening moving a member's later, never earlier). A
+        timeout still to come; a stream that opens meanwhile is timed from the next look, at the
+        latest its member's start timeout, so it may end the round a little late, never early). A
         member that opened no stream this round is due at its start timeout; one whose stream of
         parts this member's gate let in and that has sent no part on it, at its first-part
         timeout after that (`admitted` holds only streams still waiting for their first part:
