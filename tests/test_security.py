@@ -1,6 +1,7 @@
 """Swarm keys close the DHT, averaging and state-download gates; bad updates are refused."""
 
 import asyncio
+import contextlib
 import hashlib
 import math
 import os
@@ -822,6 +823,8 @@ def start_waited(
         runner._admitted = {p: runner._started + gate for p in opened if not delivered}
         runner._first_part_timeout = {} if first is None else {"b": first}
         runner._on_stall = lambda peer_id, why: None
+        runner._awaited = {}  # (no part of b's came: nothing for _watch_next_parts)
+        runner.tensor_part_reducer = SimpleNamespace(finished=asyncio.Event())
 
         def stamp(stamps: dict) -> None:
             stamps["b"] = time.monotonic()
@@ -885,6 +888,80 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
     # this member's own gate (a read of the roster) is no delay of b's: timed from the gate
     waited, why = start_waited(opened="b", first=0.2, gate=0.3)
     assert 0.5 <= waited < 0.75 and why == "b opened a stream, no part in 0.2 s", (waited, why)
+
+
+def next_parts_waited(
+    first: float | None, sent: int, gap: float = 0.0, parts: int = 3
+) -> tuple[float, list[float], set]:
+    """A member's span of `parts` parts, reduced by its runner's own code and hivemind's reducer,
+    from three senders: itself, a (every part at once) and s, which sends `sent` parts `gap` s
+    apart and then keeps its stream open, frozen. s's first-part timeout is `first` (None: none
+    measured); its stream is ended at a sender timeout of 0.8 s, as hivemind's handler does.
+    How long the span took, its averages, and the senders banned."""
+    from hivemind.averaging.partition import TensorPartReducer
+    from hivemind.compression import serialize_torch_tensor
+    from hivemind.utils.asyncio import aiter_with_timeout
+
+    async def scenario() -> tuple[float, list[float], set]:
+        runner = ExactAverageRunner.__new__(ExactAverageRunner)
+        runner.peer_id, runner.sender_peer_ids = "me", ["me", "a", "s"]
+        runner.tensor_part_reducer = reducer = TensorPartReducer([torch.Size([4])] * parts, 3)
+        runner.tensor_part_container = SimpleNamespace(prefetch=1)
+        runner._weighs_nothing = [[False] * parts] * 3
+        runner.banned_senders, runner.banlock, runner._awaited = set(), asyncio.Lock(), {}
+        runner._first_part_timeout = {} if first is None else {"s": first}
+        runner._future = asyncio.get_running_loop().create_future()
+
+        async def stream(value: float, count: int, every: float):
+            for _ in range(count):
+                await asyncio.sleep(every)
+                part = serialize_torch_tensor(torch.full((4,), value))
+                yield averaging_pb2.AveragingData(tensor_part=part, weight=1.0)
+            await asyncio.sleep(60)  # frozen, its stream still open
+
+        async def serve(sender_index: int, parts_in) -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                async for _ in runner._accumulate_parts_streaming(parts_in, sender_index):
+                    pass
+
+        started = time.monotonic()
+        handlers = [
+            asyncio.ensure_future(serve(1, aiter_with_timeout(stream(3.0, parts, 0.0), 0.8))),
+            asyncio.ensure_future(serve(2, aiter_with_timeout(stream(6.0, sent, gap), 0.8))),
+        ]
+        watch = asyncio.ensure_future(runner._watch_next_parts())
+        averages = []
+        for index in range(parts):
+            average = await reducer.accumulate_part(0, index, torch.zeros(4), weight=1.0)
+            averages.append(float(average[0]))
+        took = time.monotonic() - started
+        runner._future.set_result(None)
+        await asyncio.wait([watch, *handlers], timeout=2)
+        for task in (watch, *handlers):
+            task.cancel()
+        return took, averages, runner.banned_senders
+
+    return asyncio.run(scenario())
+
+
+def test_a_sender_that_stopped_partway_through_a_span_is_left_out_of_the_rest_in_time():
+    """bench attack's staller, frozen after sending some of its parts, held every span it had
+    not finished until the sender timeout (5 s: rounds of 8.6-8.9 s where 2.6 s is typical, run
+    FP5). A sender whose next part the span waits for is now left out of the span's rest at its
+    first-part timeout (its parts before stay in, hivemind's partial average at the sender
+    timeout), so the span's averages come and the round ends over the staller at its start
+    timeout as a reducer (_silent_reducer) on every member together. A sender with none measured
+    is waited for until the sender timeout; one merely slow within its timeout, or one that sent
+    every part of this span, is not left out."""
+    took, averages, banned = next_parts_waited(first=0.2, sent=1)
+    assert 0.2 <= took < 0.5 and banned == {"s"}, (took, banned)
+    assert averages == [3.0, 1.5, 1.5]  # (0 + 3 + 6) / 3, then (0 + 3) / 2
+    took, averages, banned = next_parts_waited(first=None, sent=1)  # none measured
+    assert took >= 0.8 and averages == [3.0, 1.5, 1.5] and banned == {"s"}, (took, banned)
+    took, averages, banned = next_parts_waited(first=0.2, sent=3, gap=0.1)  # slow, in time
+    assert averages == [3.0, 3.0, 3.0] and not banned, (took, banned)
+    took, averages, banned = next_parts_waited(first=0.2, sent=3, parts=3)  # all sent, frozen
+    assert took < 0.2 and averages == [3.0, 3.0, 3.0] and not banned, (took, banned)
 
 
 def test_a_first_part_timeout_is_the_floor_plus_three_times_the_members_slowest_first_part():

@@ -198,6 +198,8 @@ class ExactAverageRunner(CountedRunner):
         self._verdict: asyncio.Task | None = None
         # reducers whose silence ended the round early: their verdicts (_name_if_no_averages)
         self._late: dict[Any, asyncio.Future] = {}
+        # senders of this member's span whose next part is awaited now: since when (monotonic)
+        self._awaited: dict[int, float] = {}
         container = self.tensor_part_container
         register, fall_back = container.register_processed_part, container.register_failed_reducer
         failed: set[int] = set()  # reducers whose span now holds this member's own part
@@ -273,7 +275,17 @@ class ExactAverageRunner(CountedRunner):
         its first part, measured in its earlier rounds, would have come); at the sender timeout,
         where such a member has sent nothing. A member that sent some of its parts, or any
         member where no first part was measured here yet (a new swarm), is waited for until the
-        sender timeout: its parts may still be on their way over a slow link."""
+        sender timeout: its parts may still be on their way over a slow link. A sender that
+        stopped partway through this member's span is watched meanwhile (_watch_next_parts)."""
+        watch = asyncio.ensure_future(self._watch_next_parts())
+        watch.add_done_callback(_retrieved)
+        try:
+            await self._end_if_overdue()
+            await watch
+        finally:
+            watch.cancel()
+
+    async def _end_if_overdue(self) -> None:
         sender_timeout = math.inf if self.sender_timeout is None else self.sender_timeout
         while True:
             due, why, then = self._overdue(sender_timeout)
@@ -337,6 +349,47 @@ class ExactAverageRunner(CountedRunner):
                 f"{_names(list(unsent))} opened a stream, no part in {max(unsent.values()):.1f} s"
             )
         return [*unopened, *unsent], "; ".join(whys), then
+
+    async def _watch_next_parts(self) -> None:
+        """Leaves out of this member's span the rest of the parts of a sender that sent some and
+        then none for its first-part timeout (`first_part_timeouts`: parts of a span are alike,
+        and a next part is sent as the one before it goes, so none takes longer than a first
+        one), where the span waits for that part: hivemind does so at the sender timeout (5 s in
+        bench attack, two rounds). The span then has its averages, and every member holds the
+        same view of the round: a staller frozen partway through its parts reduces a span too,
+        whose averages do not come, and every member ends the round over it together at its
+        start timeout (_silent_reducer), where the members of a span it stalled ended it alone
+        and the others failed with them, no redo. A sender that reduces no span, or is slow but
+        alive, is left out of the rest of this span (hivemind's partial average) and of nothing
+        else; one with no first part measured is waited for until the sender timeout."""
+        reducer = self.tensor_part_reducer
+        looked = time.monotonic()
+        while not (self._future.done() or reducer.finished.is_set()):
+            await asyncio.wait((self._future,), timeout=WATCH_S)  # (ends with the round)
+            now = time.monotonic()
+            late, looked = now - looked > 3 * WATCH_S, now
+            if late:  # this process was stopped or starved: parts may wait in its handlers
+                continue
+            for sender_index, since in list(self._awaited.items()):
+                peer_id = self.sender_peer_ids[sender_index]
+                allowed = self._first_part_timeout.get(peer_id)
+                received = reducer.num_parts_received[sender_index]
+                if (
+                    allowed is None
+                    or now - since < allowed
+                    or received > reducer.current_part_index  # not what the span waits for
+                    or peer_id in self.banned_senders
+                ):
+                    continue
+                log.info(
+                    "left %s out of the rest of this member's span: it sent %d of its %d parts, "
+                    "then none in %.1f s",
+                    _names([peer_id]),
+                    received,
+                    reducer.num_parts,
+                    allowed,
+                )
+                await self._ban_sender(peer_id)
 
     async def _unstarted_by(self, seconds: float) -> bool:
         """Whether some sender has not started by `seconds` after this runner's start."""
@@ -617,6 +670,7 @@ class ExactAverageRunner(CountedRunner):
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                self._awaited.pop(sender_index, None)
                 compression = wire.compression
                 self._received(sender_index, part_index, wire)
                 try:
@@ -634,7 +688,9 @@ class ExactAverageRunner(CountedRunner):
                 yield averaging_pb2.AveragingData(
                     code=averaging_pb2.AVERAGED_PART, tensor_part=serialized
                 )
+                self._awaited[sender_index] = time.monotonic()  # its next part (_watch_next_parts)
         finally:
+            self._awaited.pop(sender_index, None)
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
