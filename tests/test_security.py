@@ -797,6 +797,8 @@ def start_waited(
     opens_at: float | None = None,
     gate: float = 0.0,
     delivered: bool = False,
+    delays: dict | None = None,
+    measured_at: float | None = None,
 ) -> tuple[float, str]:
     """A runner of members me, a, b (a reduces no span; b does, and sends nothing): how long
     its wait for the senders ran, and how the round ended. The members `opened` names opened
@@ -804,7 +806,9 @@ def start_waited(
     `start`: b's start timeout (the others': 0.1 s); `first`: b's first-part timeout (None:
     none measured); `opens_at`: when b opens its stream, relative to the start, where it opens
     one during the wait; `gate`: how long this member's gate takes to let a stream in;
-    `delivered`: b's stream has brought a part (of another group) already."""
+    `delivered`: b's stream has brought a part (of another group) already; `delays`: the
+    first-part delays measured (a floor of 0.1 s), from `measured_at` s on (None: from the
+    start)."""
 
     async def scenario() -> tuple[float, str]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
@@ -822,6 +826,12 @@ def start_waited(
         runner._opened = {p: runner._started for p in opened}
         runner._admitted = {p: runner._started + gate for p in opened if not delivered}
         runner._first_part_timeout = {} if first is None else {"b": first}
+        runner._first_part_delays, runner._first_part_floor = {}, 0.1
+        if delays is not None and measured_at is None:
+            runner._first_part_delays.update(delays)
+        elif delays is not None:
+            loop = asyncio.get_running_loop()
+            loop.call_later(measured_at, runner._first_part_delays.update, delays)
         runner._on_stall = lambda peer_id, why: None
         runner._awaited = {}  # (no part of b's came: nothing for _watch_next_parts)
         runner.tensor_part_reducer = SimpleNamespace(finished=asyncio.Event())
@@ -882,6 +892,11 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
     assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
     waited, why = start_waited(opened="b")  # none measured: the sender timeout, as before
     assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
+    # none of its own, another's measured (a new swarm's first round: as that part comes)
+    waited, why = start_waited(opened="b", delays={"a": [0.1]})
+    assert 0.4 <= waited < 0.55 and why == "b opened a stream, no part in 0.4 s", (waited, why)
+    waited, why = start_waited(opened="b", delays={"a": [0.05]}, measured_at=0.3)
+    assert 0.3 <= waited < 0.45 and why == "b opened a stream, no part in 0.2 s", (waited, why)
     # opened during the wait, before its start timeout: timed from its opening
     waited, why = start_waited(opened="", start=0.3, first=0.3, opens_at=0.2)
     assert 0.5 <= waited < 0.75 and why == "b opened a stream, no part in 0.3 s", (waited, why)
@@ -891,26 +906,37 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
 
 
 def next_parts_waited(
-    first: float | None, sent: int, gap: float = 0.0, parts: int = 3
-) -> tuple[float, list[float], set]:
-    """A member's span of `parts` parts, reduced by its runner's own code and hivemind's reducer,
-    from three senders: itself, a (every part at once) and s, which sends `sent` parts `gap` s
-    apart and then keeps its stream open, frozen. s's first-part timeout is `first` (None: none
-    measured); its stream is ended at a sender timeout of 0.8 s, as hivemind's handler does.
-    How long the span took, its averages, and the senders banned."""
+    first: float | None, sent: int, gap: float = 0.0, reduces: bool = True
+) -> tuple[float, str, list[float], set]:
+    """A member's span of 3 parts, reduced by its runner's own code and hivemind's reducer, from
+    three senders: itself, a (every part at once) and s, which sends `sent` parts `gap` s apart
+    and then keeps its stream open, frozen, and reduces a span of its own if `reduces`. s's
+    first-part timeout is `first` (None: none measured); its stream ends at a sender timeout of
+    0.8 s, as hivemind's handler ends it. How long until the span had its averages or the round
+    ended, why it ended ("": it did not), the span's averages, and the senders banned."""
     from hivemind.averaging.partition import TensorPartReducer
     from hivemind.compression import serialize_torch_tensor
     from hivemind.utils.asyncio import aiter_with_timeout
 
-    async def scenario() -> tuple[float, list[float], set]:
+    async def scenario() -> tuple[float, str, list[float], set]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
-        runner.peer_id, runner.sender_peer_ids = "me", ["me", "a", "s"]
-        runner.tensor_part_reducer = reducer = TensorPartReducer([torch.Size([4])] * parts, 3)
-        runner.tensor_part_container = SimpleNamespace(prefetch=1)
-        runner._weighs_nothing = [[False] * parts] * 3
+        runner.peer_id, runner._leader, runner.group_id = "me", None, b"g"
+        runner.ordered_peer_ids = runner.sender_peer_ids = ["me", "a", "s"]
+        runner.tensor_part_reducer = reducer = TensorPartReducer([torch.Size([4])] * 3, 3)
+        runner.tensor_part_container = SimpleNamespace(
+            prefetch=1, num_parts_by_peer=[3, 0, 3 if reduces else 0]
+        )
+        runner._weighs_nothing = [[False] * 3] * 3
         runner.banned_senders, runner.banlock, runner._awaited = set(), asyncio.Lock(), {}
+        runner.active_senders = {"me", "a", "s"}
+        runner._delivered, runner._not_in_group, runner._heard_late = set(), set(), set()
+        runner.sender_timeout, runner.reducer_timeout = 0.8, 1.6
         runner._first_part_timeout = {} if first is None else {"s": first}
+        runner._first_part_delays, runner._first_part_floor = {}, 0.1
+        runner._on_stall, runner._verdict = lambda peer_id, why: None, None
         runner._future = asyncio.get_running_loop().create_future()
+        runner.finalize = lambda exception=None: runner._future.set_exception(exception)
+        runner._started = time.monotonic()
 
         async def stream(value: float, count: int, every: float):
             for _ in range(count):
@@ -924,43 +950,49 @@ def next_parts_waited(
                 async for _ in runner._accumulate_parts_streaming(parts_in, sender_index):
                     pass
 
-        started = time.monotonic()
+        async def own() -> list[float]:
+            return [
+                float((await reducer.accumulate_part(0, index, torch.zeros(4), weight=1.0))[0])
+                for index in range(3)
+            ]
+
         handlers = [
-            asyncio.ensure_future(serve(1, aiter_with_timeout(stream(3.0, parts, 0.0), 0.8))),
+            asyncio.ensure_future(serve(1, aiter_with_timeout(stream(3.0, 3, 0.0), 0.8))),
             asyncio.ensure_future(serve(2, aiter_with_timeout(stream(6.0, sent, gap), 0.8))),
         ]
         watch = asyncio.ensure_future(runner._watch_next_parts())
-        averages = []
-        for index in range(parts):
-            average = await reducer.accumulate_part(0, index, torch.zeros(4), weight=1.0)
-            averages.append(float(average[0]))
-        took = time.monotonic() - started
-        runner._future.set_result(None)
-        await asyncio.wait([watch, *handlers], timeout=2)
-        for task in (watch, *handlers):
-            task.cancel()
-        return took, averages, runner.banned_senders
+        averages = asyncio.ensure_future(own())
+        await asyncio.wait((averages, runner._future), return_when=asyncio.FIRST_COMPLETED)
+        took = time.monotonic() - runner._started
+        why = str(runner._future.exception()) if runner._future.done() else ""
+        for task in (watch, averages, *handlers, runner._verdict):
+            if task is not None:
+                task.cancel()
+        done = averages.result() if averages.done() and not averages.cancelled() else []
+        return took, why, done, runner.banned_senders
 
     return asyncio.run(scenario())
 
 
-def test_a_sender_that_stopped_partway_through_a_span_is_left_out_of_the_rest_in_time():
+def test_a_sender_that_stopped_partway_through_a_span_is_not_waited_for_past_its_timeout():
     """bench attack's staller, frozen after sending some of its parts, held every span it had
     not finished until the sender timeout (5 s: rounds of 8.6-8.9 s where 2.6 s is typical, run
-    FP5). A sender whose next part the span waits for is now left out of the span's rest at its
-    first-part timeout (its parts before stay in, hivemind's partial average at the sender
-    timeout), so the span's averages come and the round ends over the staller at its start
-    timeout as a reducer (_silent_reducer) on every member together. A sender with none measured
-    is waited for until the sender timeout; one merely slow within its timeout, or one that sent
-    every part of this span, is not left out."""
-    took, averages, banned = next_parts_waited(first=0.2, sent=1)
-    assert 0.2 <= took < 0.5 and banned == {"s"}, (took, banned)
+    FP5). A sender whose next part the span waits for is now given its first-part timeout: one
+    that reduces a span ends the round there (its span will have no average), as the members
+    it froze before sending any part end it; one that reduces none is left out of the span's
+    rest (its parts before stay in, hivemind's partial average at the sender timeout) and the
+    span has its averages. A sender with none measured is waited for until the sender timeout;
+    one merely slow within its timeout, or one that sent every part of this span, is not."""
+    took, why, averages, banned = next_parts_waited(first=0.2, sent=1)
+    assert 0.2 <= took < 0.5 and why == "s sent 1 of its 3 parts, then none in 0.2 s", (took, why)
+    took, why, averages, banned = next_parts_waited(first=0.2, sent=1, reduces=False)
+    assert 0.2 <= took < 0.5 and not why and banned == {"s"}, (took, why, banned)
     assert averages == [3.0, 1.5, 1.5]  # (0 + 3 + 6) / 3, then (0 + 3) / 2
-    took, averages, banned = next_parts_waited(first=None, sent=1)  # none measured
-    assert took >= 0.8 and averages == [3.0, 1.5, 1.5] and banned == {"s"}, (took, banned)
-    took, averages, banned = next_parts_waited(first=0.2, sent=3, gap=0.1)  # slow, in time
-    assert averages == [3.0, 3.0, 3.0] and not banned, (took, banned)
-    took, averages, banned = next_parts_waited(first=0.2, sent=3, parts=3)  # all sent, frozen
+    took, why, averages, banned = next_parts_waited(first=None, sent=1)  # none measured
+    assert took >= 0.8 and not why and averages == [3.0, 1.5, 1.5], (took, why, averages)
+    took, why, averages, banned = next_parts_waited(first=0.2, sent=3, gap=0.1)  # slow, in time
+    assert averages == [3.0, 3.0, 3.0] and not why and not banned, (took, why, banned)
+    took, why, averages, banned = next_parts_waited(first=0.2, sent=3)  # all sent, then frozen
     assert took < 0.2 and averages == [3.0, 3.0, 3.0] and not banned, (took, banned)
 
 
@@ -2044,7 +2076,7 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
         codes["triggered"] = await asyncio.wait_for(triggered, 5)
         # a group it ran (its round ended early), asked after while it looks for its next one
         # with a request out: at once (a member probing whether it stalled named it)
-        avg._ran[b"f"] = None
+        avg._ran[b"f"] = ("me", "b")
         avg._matchmaking.is_looking_for_group = True
         codes["ran"] = await asyncio.wait_for(served(b"f"), 0.5)
         # a group whose round has just ended, still registered (hivemind drops it after its
@@ -2095,10 +2127,11 @@ def test_a_member_asked_to_reduce_for_a_group_it_is_not_in_answers_at_once():
 
 def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks():
     """What a first-part timeout comes from (exact.first_part_timeouts): how long each member's
-    first part of a group this member runs took to come after this member's gate let its stream
-    in, measured as the handler gets it (the gate's own time not counted; one past the sender
+    first part of a group this member runs or ran (a part late for a round ended early over its
+    sender) took to come after this member's gate let its stream in, measured as the handler
+    gets it (the gate's own time not counted; one past the sender
     timeout not at all: its sender was stopped, bench attack's staller waking). A part for a
-    group this member is not running, or from a peer not in the group, measures nothing (anyone
+    group this member neither runs nor ran, or from a peer not in it, measures nothing (anyone
     could set its own delays at no cost), nor does an ask for this member's span (no part),
     which leaves the caller's stamps as they were; each peer's latest FIRST_PARTS_KEPT are
     kept."""
@@ -2135,6 +2168,11 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
             await send("fast", part=True)
         await send("outsider", part=True)  # not in the group
         await send("slow", part=True, group=b"z" * 20)  # a group it runs not
+        # a group it ran, whose round ended early over this member before its part came: the
+        # measure its next rounds need (else a member slower than the typical lost every one)
+        avg._ran[b"r"] = ("late", "me")
+        await send("late", part=True, after=0.2, group=b"r")
+        await send("outsider", part=True, group=b"r")  # not one of its members
 
         class SlowGate:  # a read of the roster
             async def allows(self, dht, peer_id):
@@ -2151,7 +2189,8 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
         }
 
     delays, asker = asyncio.run(scenario())
-    assert set(delays) == {"slow", "fast", "gated"}, delays
+    assert set(delays) == {"slow", "fast", "gated", "late"}, delays
+    assert len(delays["late"]) == 1 and 0.2 <= delays["late"][0] < 0.5, delays
     assert len(delays["slow"]) == 1 and 0.2 <= delays["slow"][0] < 0.5, delays
     assert len(delays["fast"]) == FIRST_PARTS_KEPT and max(delays["fast"]) < 0.1, delays
     assert delays["gated"][0] < 0.1, delays

@@ -21,8 +21,10 @@ attack every member's first part came within 0.65 s of this member's start), or 
 and sent no part within its first-part timeout after this member's gate let it in
 (`first_part_timeouts`: the same second, plus three times the longest its first part took in its
 latest rounds here, so a slow link sets its own; a member not seen sending parts yet: the lower
-median of the others' longest), or has sent nothing by the sender timeout (its span will have no
-average) ends it there rather than at the reducer timeout; so does a reducer that sent its parts
+median of the others' longest, this round's first parts included), or has sent some of this
+member's span's parts and then none within that first-part timeout (_watch_next_parts), or has
+sent nothing by the sender timeout (its span will have no average) ends it there rather than at
+the reducer timeout; so does a reducer that sent its parts
 yet, once every other span's averages came, has sent none of its own for its start timeout (a
 member frozen after sending its parts: rounds of 13.6 s where 3 s is typical in bench attack). A
 round that looked for its group when it was due then runs the same group again at once without
@@ -155,6 +157,8 @@ class ExactAverageRunner(CountedRunner):
         since: float = 0.0,
         start_timeouts: Collection[float] = (),
         first_part_timeouts: dict[Any, float] | None = None,
+        first_part_delays: dict[Any, Collection[float]] | None = None,
+        first_part_floor: float = START_FLOOR_S,
         **kwargs: Any,
     ):
         """`out_of_sync`: members whose synchronized parameters differ from the group's
@@ -169,7 +173,10 @@ class ExactAverageRunner(CountedRunner):
         ended; `start_timeouts`, in group order: how long after this runner's start each member
         that reduces a span may take to open its stream before the round ends (end_early; none:
         only at the sender timeout); `first_part_timeouts`: how long after `admitted` each may
-        take to send its first part (a member without one: until the sender timeout)."""
+        take to send its first part; `first_part_delays` (kept up to date as parts come, this
+        round's too) and `first_part_floor` give a member without one a timeout as the round
+        goes on (first_part_timeouts: the others' typical once some first part was measured, in
+        a new swarm's first round too; none: until the sender timeout)."""
         super().__init__(**kwargs)
         self._leader = leader
         self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
@@ -195,6 +202,8 @@ class ExactAverageRunner(CountedRunner):
         self._since = since
         self._start_timeout = dict(zip(self.ordered_peer_ids, start_timeouts, strict=False))
         self._first_part_timeout = dict(first_part_timeouts or {})
+        self._first_part_delays = {} if first_part_delays is None else first_part_delays
+        self._first_part_floor = first_part_floor
         self._verdict: asyncio.Task | None = None
         # reducers whose silence ended the round early: their verdicts (_name_if_no_averages)
         self._late: dict[Any, asyncio.Future] = {}
@@ -273,17 +282,22 @@ class ExactAverageRunner(CountedRunner):
         opened its stream to this member (its contribution was due within its declared lag); at
         its first-part timeout after it opened it, where it has sent no part (frozen as it began:
         its first part, measured in its earlier rounds, would have come); at the sender timeout,
-        where such a member has sent nothing. A member that sent some of its parts, or any
-        member where no first part was measured here yet (a new swarm), is waited for until the
-        sender timeout: its parts may still be on their way over a slow link. A sender that
-        stopped partway through this member's span is watched meanwhile (_watch_next_parts)."""
-        watch = asyncio.ensure_future(self._watch_next_parts())
-        watch.add_done_callback(_retrieved)
-        try:
-            await self._end_if_overdue()
-            await watch
+        where such a member has sent nothing. Where no first part was measured here at all (a
+        new swarm's first round), a member is waited for until the sender timeout, or until some
+        member's first part comes and gives it a timeout: its parts may still be on their way
+        over a slow link. A sender that stopped partway through this member's span is watched
+        meanwhile (_watch_next_parts)."""
+        tasks = {asyncio.ensure_future(self._end_if_overdue())}
+        tasks.add(asyncio.ensure_future(self._watch_next_parts()))
+        for task in tasks:
+            task.add_done_callback(_retrieved)
+        try:  # until both end, or the round does (one of them ended it, or a reducer did)
+            while tasks and not self._future.done():
+                await asyncio.wait((*tasks, self._future), return_when=asyncio.FIRST_COMPLETED)
+                tasks = {task for task in tasks if not task.done()}
         finally:
-            watch.cancel()
+            for task in tasks:
+                task.cancel()
 
     async def _end_if_overdue(self) -> None:
         sender_timeout = math.inf if self.sender_timeout is None else self.sender_timeout
@@ -322,11 +336,12 @@ class ExactAverageRunner(CountedRunner):
         then = sender_timeout
         for peer_id in self._reducing(self._unheard_now()):
             start = self._start_timeout.get(peer_id, math.inf)
-            first = self._first_part_timeout.get(peer_id)
+            first = self._first_part_allowed(peer_id)
             if not self._contacted(peer_id):
                 due, into, waited = start, unopened, start
-            elif first is None:
-                continue  # until the sender timeout
+            elif first is None:  # until the sender timeout, or a first part measured meanwhile
+                then = min(then, now + WATCH_S)
+                continue
             elif self._admitted.get(peer_id, -math.inf) <= self._since:
                 # the gate still checks its stream, or that stream brought a part of another
                 # group: not timed (look again soon: a stream let in now is)
@@ -351,17 +366,19 @@ class ExactAverageRunner(CountedRunner):
         return [*unopened, *unsent], "; ".join(whys), then
 
     async def _watch_next_parts(self) -> None:
-        """Leaves out of this member's span the rest of the parts of a sender that sent some and
-        then none for its first-part timeout (`first_part_timeouts`: parts of a span are alike,
-        and a next part is sent as the one before it goes, so none takes longer than a first
-        one), where the span waits for that part: hivemind does so at the sender timeout (5 s in
-        bench attack, two rounds). The span then has its averages, and every member holds the
-        same view of the round: a staller frozen partway through its parts reduces a span too,
-        whose averages do not come, and every member ends the round over it together at its
-        start timeout (_silent_reducer), where the members of a span it stalled ended it alone
-        and the others failed with them, no redo. A sender that reduces no span, or is slow but
-        alive, is left out of the rest of this span (hivemind's partial average) and of nothing
-        else; one with no first part measured is waited for until the sender timeout."""
+        """A sender that sent some of this member's span's parts and then none for its
+        first-part timeout (`first_part_timeouts`: parts of a span are alike, and each is sent as
+        the one before it goes, so none takes longer than a first one), where the span waits
+        for that part: hivemind waits until the sender timeout (5 s in bench attack, two rounds;
+        run FP5's dearest stalls). One that reduces a span ends the round then (end_early): its
+        span will have no average, and the members it opened its streams to and froze before
+        sending them a part end the round over it at about the same time (their first-part
+        timeouts), so all run the redo (run NP1, a05448e: this member only left it out of its
+        span's rest, ran on, and the others' redo ended over it). One that reduces none is left
+        out of the rest of the span, as hivemind does at the sender timeout (a partial
+        average), and the round goes on. One with no first part measured is waited for until
+        the sender timeout. (A member that received all of the staller's parts for its span
+        sees nothing amiss until the others' ends fail its round: it joins no redo.)"""
         reducer = self.tensor_part_reducer
         looked = time.monotonic()
         while not (self._future.done() or reducer.finished.is_set()):
@@ -372,7 +389,7 @@ class ExactAverageRunner(CountedRunner):
                 continue
             for sender_index, since in list(self._awaited.items()):
                 peer_id = self.sender_peer_ids[sender_index]
-                allowed = self._first_part_timeout.get(peer_id)
+                allowed = self._first_part_allowed(peer_id)
                 received = reducer.num_parts_received[sender_index]
                 if (
                     allowed is None
@@ -381,15 +398,25 @@ class ExactAverageRunner(CountedRunner):
                     or peer_id in self.banned_senders
                 ):
                     continue
-                log.info(
-                    "left %s out of the rest of this member's span: it sent %d of its %d parts, "
-                    "then none in %.1f s",
-                    _names([peer_id]),
-                    received,
-                    reducer.num_parts,
-                    allowed,
+                why = (
+                    f"{_names([peer_id])} sent {received} of its {reducer.num_parts} parts, "
+                    f"then none in {allowed:.1f} s"
                 )
+                if self._reducing([peer_id]):
+                    self.end_early(why, [peer_id])
+                    return
+                log.info("left the rest of a sender's parts out of this member's span (%s)", why)
                 await self._ban_sender(peer_id)
+
+    def _first_part_allowed(self, peer_id: Any) -> float | None:
+        """`peer_id`'s first-part timeout: as the round began, or where it had none then (no
+        first part of its measured, nor any other's), from the delays measured since, this
+        round's first parts included (None: none yet, the sender timeout)."""
+        allowed = self._first_part_timeout.get(peer_id)
+        if allowed is None and self._first_part_delays:
+            delays, floor = self._first_part_delays, self._first_part_floor
+            allowed = first_part_timeouts(delays, [peer_id], floor).get(peer_id)
+        return allowed
 
     async def _unstarted_by(self, seconds: float) -> bool:
         """Whether some sender has not started by `seconds` after this runner's start."""

@@ -165,7 +165,7 @@ class GuardedAverager(DecentralizedAverager):
         self._admitted: dict[PeerID, float] = {}  # peer -> its stream let in, no first part yet
         self._first_parts: dict[PeerID, deque[float]] = {}  # peer -> its first parts' delays
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
-        self._ran: dict[bytes, None] = {}  # groups this member ran, the latest HEARD_KEPT
+        self._ran: dict[bytes, tuple] = {}  # groups this member ran: their members (HEARD_KEPT)
         self._running: bytes | None = None  # the group this member runs now (its ID)
         self._ended_over: set[PeerID] = set()  # whom its last try ended early over (exact.py)
         self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
@@ -305,6 +305,13 @@ class GuardedAverager(DecentralizedAverager):
         # or to a redo), the ask reached its runner, which answers no ask, and the asker named
         # it unless its parts had reached the asker, which a redo ended at once may not send
         asked_before = not running and not first.HasField("tensor_part")
+        # a member's first part of a group this member runs or ran (its round over: a part late
+        # for a round ended early over its sender is the measure that sender's next rounds need;
+        # not measured, a member slower than the others' typical lost every round)
+        if first.HasField("tensor_part") and not refused:
+            members = group.sender_peer_ids if group is not None else self._ran.get(first.group_id)
+            if caller in (members or ()):
+                self._first_part_took(caller, came - admitted)
         if group is None or group.over or asked_before:  # not in it, or its round is over
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
@@ -315,8 +322,6 @@ class GuardedAverager(DecentralizedAverager):
             # anyone else this one refuses stays refused
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        if first.HasField("tensor_part") and not refused and caller in group.sender_peer_ids:
-            self._first_part_took(caller, came - admitted)  # (a member's, of a group it is in)
         # the reducer's side of this member's traffic: parts in, averages out. (To the group's
         # runner itself: hivemind's handler looks the group up again, and where its round had
         # ended meanwhile it waited for this member's next group to answer. A member that asked
@@ -330,12 +335,12 @@ class GuardedAverager(DecentralizedAverager):
     def _first_part_took(self, peer_id: PeerID, seconds: float) -> None:
         """Keep how long `peer_id`'s first part took to come after the gate let its stream in (its
         latest FIRST_PARTS_KEPT, for the latest OPENED_KEPT peers): its first-part timeout
-        (exact.first_part_timeouts). Only a member's part of a group this member runs, whose
-        round is not over, counts: a part for a made-up group would let anyone set its own
-        delays at no cost. One that took the sender timeout or more is no measure of
-        its link: no round would have waited for it, and its sender was stopped, not slow (bench
-        attack's staller, frozen after opening its streams, sends its first parts as it wakes,
-        17 s later; kept, that gave it the sender timeout in every later round)."""
+        (exact.first_part_timeouts). Only a member's part of a group this member runs or ran
+        counts: a part for a made-up group would let anyone set its own delays at no cost. One
+        that took the sender timeout or more is no measure of its link: no round would have
+        waited for it, and its sender was stopped, not slow (bench attack's staller, frozen after
+        opening its streams, sends its first parts as it wakes, 17 s later; kept, that gave it
+        the sender timeout in every later round)."""
         timeout = self.allreduce_kwargs.get("sender_timeout")
         if timeout is not None and seconds >= timeout:
             return
@@ -706,7 +711,7 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             self._running = None
             self._group_ended = time.monotonic()
-            self._ran[group_info.group_id] = None
+            self._ran[group_info.group_id] = tuple(group_info.peer_ids)
             keep_latest(self._ran, HEARD_KEPT)
             self._assembled.discard(group_info.group_id)  # ran: a late request is refused
             started = self._running_groups.get(group_info.group_id)
@@ -746,6 +751,8 @@ class GuardedAverager(DecentralizedAverager):
             first_part_timeouts=first_part_timeouts(
                 self._first_parts, group_info.peer_ids, self._start_timeout_s
             ),
+            first_part_delays=self._first_parts,
+            first_part_floor=self._start_timeout_s,
             leader=self._led_by.get(group_info.group_id),
             traffic=self._traffic,
             p2p=self._p2p,
