@@ -107,9 +107,11 @@ def first_part_timeouts(
     in every group it joins) is held to the lower median, over the peers measured, of each one's
     slowest (no one peer's slow parts set it for everyone); where none was measured at all,
     none (the sender timeout). A new member slower than that loses the round it first joins
-    (not named: its parts still come), and is timed by its own from then on. A member can
-    still lengthen its own timeout with a slow first part in a round it is in (up to the sender
-    timeout, and that round waits for it): no worse than the sender timeout it had before."""
+    (not named: its parts still come), and is timed by its own from then on (its part, late for
+    that round, measured: guarded.py, _late_first_part). A member can still lengthen its own
+    timeout, up to the sender timeout, with a slow first part in a round it is in (that round
+    waits for it), or one late for a round ended over it (a stall that cost that round): no
+    worse than the sender timeout it had before."""
     longest = sorted(max(d) for d in delays.values() if d)
     typical = longest[(len(longest) - 1) // 2] if longest else None
     timeouts = {}
@@ -137,7 +139,9 @@ def start_timeouts(users: list[dict[str, Any]], floor: float = START_FLOOR_S) ->
 
 
 WATCH_S = 0.05
-"""How often a member looks whether one reducer alone has sent no averages (_silent_reducer)."""
+"""How often a member looks whether one reducer alone has sent no averages (_silent_reducer), a
+sender stopped partway through its span (_watch_next_parts), or a member with no first-part
+timeout got one (_overdue)."""
 
 NOT_IN_GROUP = f" sent {averaging_pb2.MessageCode.Name(averaging_pb2.BAD_GROUP_ID)}"
 """How hivemind's error ends when a reducer answers that it is not in the group."""
@@ -366,19 +370,22 @@ class ExactAverageRunner(CountedRunner):
         return [*unopened, *unsent], "; ".join(whys), then
 
     async def _watch_next_parts(self) -> None:
-        """A sender that sent some of this member's span's parts and then none for its
-        first-part timeout (`first_part_timeouts`: parts of a span are alike, and each is sent as
-        the one before it goes, so none takes longer than a first one), where the span waits
-        for that part: hivemind waits until the sender timeout (5 s in bench attack, two rounds;
-        run FP5's dearest stalls). One that reduces a span ends the round then (end_early): its
-        span will have no average, and the members it opened its streams to and froze before
-        sending them a part end the round over it at about the same time (their first-part
-        timeouts), so all run the redo (run NP1, a05448e: this member only left it out of its
-        span's rest, ran on, and the others' redo ended over it). One that reduces none is left
-        out of the rest of the span, as hivemind does at the sender timeout (a partial
-        average), and the round goes on. One with no first part measured is waited for until
-        the sender timeout. (A member that received all of the staller's parts for its span
-        sees nothing amiss until the others' ends fail its round: it joins no redo.)"""
+        """Ends the round (end_early) over a member that reduces a span and sent some of this
+        member's span's parts, then none for its first-part timeout (`first_part_timeouts`:
+        parts of a span are alike, and each is sent as the one before it goes, so none takes
+        longer than a first one). hivemind waits for it until the sender timeout (5 s in bench
+        attack, two rounds: run FP5's dearest stalls), and its span will not have its averages
+        anyway while it stays frozen. The members it opened its streams to and froze before
+        sending a part end the round over it at about the same time (their first-part
+        timeouts), so all run the redo (run NP1, a05448e, which only left it out of the span's
+        rest: this member ran on, and the others' redo ended over it). A sender idle here is
+        always the one the span waits for: each part's average returns to its handler only once
+        every sender's part came. A member that reduces no span is waited for until the sender
+        timeout, as before (then left out of the rest of the span, hivemind's partial average):
+        cut sooner, it would fail its own audit and keep other reducers waiting, and an honest
+        reducer could be ended over for it. (A member that received all of the staller's parts
+        for its span sees nothing amiss until the others' ends fail its round: it joins no
+        redo.)"""
         reducer = self.tensor_part_reducer
         looked = time.monotonic()
         while not (self._future.done() or reducer.finished.is_set()):
@@ -386,34 +393,29 @@ class ExactAverageRunner(CountedRunner):
             now = time.monotonic()
             late, looked = now - looked > 3 * WATCH_S, now
             if late:  # this process was stopped or starved: parts may wait in its handlers
+                for sender_index in self._awaited:  # (its own pause is no sender's delay)
+                    self._awaited[sender_index] = now
                 continue
             for sender_index, since in list(self._awaited.items()):
                 peer_id = self.sender_peer_ids[sender_index]
                 allowed = self._first_part_allowed(peer_id)
-                received = reducer.num_parts_received[sender_index]
-                if (
-                    allowed is None
-                    or now - since < allowed
-                    or received > reducer.current_part_index  # not what the span waits for
-                    or peer_id in self.banned_senders
-                ):
+                if allowed is None or now - since < allowed or not self._reducing([peer_id]):
                     continue
-                why = (
+                received = reducer.num_parts_received[sender_index]
+                self.end_early(
                     f"{_names([peer_id])} sent {received} of its {reducer.num_parts} parts, "
-                    f"then none in {allowed:.1f} s"
+                    f"then none in {allowed:.1f} s",
+                    [peer_id],
                 )
-                if self._reducing([peer_id]):
-                    self.end_early(why, [peer_id])
-                    return
-                log.info("left the rest of a sender's parts out of this member's span (%s)", why)
-                await self._ban_sender(peer_id)
+                return
 
     def _first_part_allowed(self, peer_id: Any) -> float | None:
         """`peer_id`'s first-part timeout: as the round began, or where it had none then (no
         first part of its measured, nor any other's), from the delays measured since, this
-        round's first parts included (None: none yet, the sender timeout)."""
+        round's first parts included, once two peers' are (one peer's fast parts alone would
+        set it for every member not measured yet; None: the sender timeout)."""
         allowed = self._first_part_timeout.get(peer_id)
-        if allowed is None and self._first_part_delays:
+        if allowed is None and sum(1 for d in self._first_part_delays.values() if d) >= 2:
             delays, floor = self._first_part_delays, self._first_part_floor
             allowed = first_part_timeouts(delays, [peer_id], floor).get(peer_id)
         return allowed

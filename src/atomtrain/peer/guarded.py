@@ -34,7 +34,7 @@ import math
 import time
 from collections import deque
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
 from typing import Any, AsyncIterator  # noqa: UP035
@@ -62,6 +62,7 @@ from atomtrain.peer.auth import MemberGate
 from atomtrain.peer.bounds import DELTA, MIN_WEIGHT, NO_DEFENCE, Defence, equal_weights
 from atomtrain.peer.download import download_from
 from atomtrain.peer.exact import (
+    FIRST_PART_TIMES,
     FIRST_PARTS_KEPT,
     START_FLOOR_S,
     ExactAverageRunner,
@@ -98,6 +99,16 @@ NO_ONE = "no member to average with: every other live member is left out or bann
 AUDITS_KEPT = 8
 """Audited all-reduces a member keeps for the members that ask after it ends (each lets its
 replay go once every member asked, or some seconds after the round)."""
+
+
+@dataclass
+class Ran:
+    """A group this member ran: when its round of it ended (monotonic), over whom it ended
+    early (exact.py, `ended_over`), and whose late first part was measured since."""
+
+    ended: float
+    ended_over: frozenset
+    measured: set = field(default_factory=set)
 
 
 def finite(x: float) -> bool:
@@ -165,7 +176,7 @@ class GuardedAverager(DecentralizedAverager):
         self._admitted: dict[PeerID, float] = {}  # peer -> its stream let in, no first part yet
         self._first_parts: dict[PeerID, deque[float]] = {}  # peer -> its first parts' delays
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
-        self._ran: dict[bytes, tuple] = {}  # groups this member ran: their members (HEARD_KEPT)
+        self._ran: dict[bytes, Ran] = {}  # groups this member ran, the latest HEARD_KEPT
         self._running: bytes | None = None  # the group this member runs now (its ID)
         self._ended_over: set[PeerID] = set()  # whom its last try ended early over (exact.py)
         self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
@@ -305,13 +316,11 @@ class GuardedAverager(DecentralizedAverager):
         # or to a redo), the ask reached its runner, which answers no ask, and the asker named
         # it unless its parts had reached the asker, which a redo ended at once may not send
         asked_before = not running and not first.HasField("tensor_part")
-        # a member's first part of a group this member runs or ran (its round over: a part late
-        # for a round ended early over its sender is the measure that sender's next rounds need;
-        # not measured, a member slower than the others' typical lost every round)
         if first.HasField("tensor_part") and not refused:
-            members = group.sender_peer_ids if group is not None else self._ran.get(first.group_id)
-            if caller in (members or ()):
-                self._first_part_took(caller, came - admitted)
+            if group is not None and not group.over and caller in group.sender_peer_ids:
+                self._first_part_took(caller, came - admitted)  # (a member's, of a group it runs)
+            elif (ran := self._ran.get(first.group_id)) is not None:
+                self._late_first_part(ran, caller, admitted, came)
         if group is None or group.over or asked_before:  # not in it, or its round is over
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
@@ -335,11 +344,12 @@ class GuardedAverager(DecentralizedAverager):
     def _first_part_took(self, peer_id: PeerID, seconds: float) -> None:
         """Keep how long `peer_id`'s first part took to come after the gate let its stream in (its
         latest FIRST_PARTS_KEPT, for the latest OPENED_KEPT peers): its first-part timeout
-        (exact.first_part_timeouts). Only a member's part of a group this member runs or ran
-        counts: a part for a made-up group would let anyone set its own delays at no cost. One
-        that took the sender timeout or more is no measure of its link: no round would have
-        waited for it, and its sender was stopped, not slow (bench attack's staller, frozen after
-        opening its streams, sends its first parts as it wakes, 17 s later; kept, that gave it
+        (exact.first_part_timeouts). Only a member's part of a group this member runs counts
+        (or one late for a round ended over it: _late_first_part): a part for a made-up group,
+        or one sent at leisure for a round over, would let anyone set its own delays at no
+        cost. One that took the sender timeout or more is no measure of its link: no round would
+        have waited for it, and its sender was stopped, not slow (bench attack's staller, frozen
+        after opening its streams, sends its first parts as it wakes, 17 s later; kept, that gave it
         the sender timeout in every later round)."""
         timeout = self.allreduce_kwargs.get("sender_timeout")
         if timeout is not None and seconds >= timeout:
@@ -348,6 +358,24 @@ class GuardedAverager(DecentralizedAverager):
         delays.append(seconds)
         self._first_parts[peer_id] = delays
         keep_latest(self._first_parts, OPENED_KEPT)
+
+    def _late_first_part(self, ran: Ran, caller: PeerID, admitted: float, came: float) -> None:
+        """Keep the delay of a first part that came after this member's round of its group ended
+        early over its sender (`ran`), from a stream let in before that end: the measure the
+        sender's next rounds need. Not kept, a member slower than the others' typical (new here,
+        timed by it) lost every round, never measured. Once per member and group, and no more
+        than would raise its first-part timeout to the sender timeout: a staller that freezes
+        for less than the sender timeout, its part coming after the round ended over it, is
+        waited for no longer than hivemind waited before first-part timeouts."""
+        if caller not in ran.ended_over or caller in ran.measured or admitted > ran.ended:
+            return
+        ran.measured.add(caller)
+        timeout = self.allreduce_kwargs.get("sender_timeout")
+        if timeout is None:
+            self._first_part_took(caller, came - admitted)
+        elif came - admitted < timeout:  # (past it: stopped, not slow, as _first_part_took says)
+            most = max((timeout - self._start_timeout_s) / FIRST_PART_TIMES, 0.0)
+            self._first_part_took(caller, min(came - admitted, most))
 
     def _heard_of(self, group_id: bytes) -> set[PeerID]:
         """The members whose parts for `group_id` reached this member (the latest groups'
@@ -711,7 +739,7 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             self._running = None
             self._group_ended = time.monotonic()
-            self._ran[group_info.group_id] = tuple(group_info.peer_ids)
+            self._ran[group_info.group_id] = Ran(time.monotonic(), frozenset(self._ended_over))
             keep_latest(self._ran, HEARD_KEPT)
             self._assembled.discard(group_info.group_id)  # ran: a late request is refused
             started = self._running_groups.get(group_info.group_id)
