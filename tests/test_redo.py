@@ -165,6 +165,7 @@ def test_an_ask_that_came_before_its_member_ran_the_group_is_answered_not_in_it(
         avg._parent_pid = None  # (never started: hivemind's __del__ reads it)
         avg._opened, avg._heard, avg._audits, avg._traffic = {}, {}, {}, Traffic()
         avg._admitted, avg._first_parts, avg.allreduce_kwargs = {}, {}, {}
+        avg._streams, avg._ran = {}, {}
         avg._gate, avg.dht, avg._defence = SimpleNamespace(allows=allows), None, None
         avg._running_groups = {b"g" * 20: None} if running else {}
 

@@ -897,9 +897,12 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
     assert 0.4 <= waited < 0.55 and why == "b opened a stream, no part in 0.4 s", (waited, why)
     waited, why = start_waited(opened="b", delays={"a": [0.04], "c": [0.04]}, measured_at=0.3)
     assert 0.3 <= waited < 0.45 and why == "b opened a stream, no part in 0.2 s", (waited, why)
-    # one peer's alone (its fast parts would set it for every member not measured yet): none
+    # one peer's alone (its fast parts would set it for every member not measured yet): none,
+    # but a member's own, measured in this round, are its own (its stream of another group)
     waited, why = start_waited(opened="b", delays={"a": [0.01]})
     assert waited >= 0.6 and why == "b sent nothing within the sender timeout", (waited, why)
+    waited, why = start_waited(opened="b", delays={"b": [0.1]})
+    assert 0.4 <= waited < 0.55 and why == "b opened a stream, no part in 0.4 s", (waited, why)
     # opened during the wait, before its start timeout: timed from its opening
     waited, why = start_waited(opened="", start=0.3, first=0.3, opens_at=0.2)
     assert 0.5 <= waited < 0.75 and why == "b opened a stream, no part in 0.3 s", (waited, why)
@@ -910,18 +913,19 @@ def test_a_member_that_opened_its_stream_and_froze_ends_the_round_at_its_first_p
 
 def next_parts_waited(
     first: float | None, sent: int, gap: float = 0.0, reduces: bool = True
-) -> tuple[float, str, list[float], set]:
+) -> tuple[float, str, list[float], set, dict]:
     """A member's span of 3 parts, reduced by its runner's own code and hivemind's reducer, from
     three senders: itself, a (every part at once) and s, which sends `sent` parts `gap` s apart
     and then keeps its stream open, frozen, and reduces a span of its own if `reduces`. s's
     first-part timeout is `first` (None: none measured); its stream ends at a sender timeout of
     0.8 s, as hivemind's handler ends it. How long until the span had its averages or the round
-    ended, why it ended ("": it did not), the span's averages, and the senders banned."""
+    ended, why it ended ("": it did not), the span's averages, the senders banned, and the
+    longest gap between parts of each sender that sent them all (`on_part_gap`)."""
     from hivemind.averaging.partition import TensorPartReducer
     from hivemind.compression import serialize_torch_tensor
     from hivemind.utils.asyncio import aiter_with_timeout
 
-    async def scenario() -> tuple[float, str, list[float], set]:
+    async def scenario() -> tuple[float, str, list[float], set, dict]:
         runner = ExactAverageRunner.__new__(ExactAverageRunner)
         runner.peer_id, runner._leader, runner.group_id = "me", None, b"g"
         runner.ordered_peer_ids = runner.sender_peer_ids = ["me", "a", "s"]
@@ -936,6 +940,8 @@ def next_parts_waited(
         runner.sender_timeout, runner.reducer_timeout = 0.8, 1.6
         runner._first_part_timeout = {} if first is None else {"s": first}
         runner._first_part_delays, runner._first_part_floor = {}, 0.1
+        gaps: dict = {}
+        runner._on_part_gap = gaps.__setitem__
         runner._on_stall, runner._verdict = lambda peer_id, why: None, None
         runner._future = asyncio.get_running_loop().create_future()
         runner.finalize = lambda exception=None: runner._future.set_exception(exception)
@@ -972,7 +978,8 @@ def next_parts_waited(
             if task is not None:
                 task.cancel()
         done = averages.result() if averages.done() and not averages.cancelled() else []
-        return took, why, done, runner.banned_senders
+        await asyncio.sleep(0.05)  # (the cancelled handlers' ends)
+        return took, why, done, runner.banned_senders, gaps
 
     return asyncio.run(scenario())
 
@@ -986,17 +993,19 @@ def test_a_sender_that_stopped_partway_through_a_span_is_not_waited_for_past_its
     timeout, as before, and then left out of the span's rest (its parts before stay in,
     hivemind's partial average); so is one with none measured. One merely slow within its
     timeout is not cut, nor is one that sent every part of this span."""
-    took, why, averages, banned = next_parts_waited(first=0.2, sent=1)
+    took, why, averages, banned, _ = next_parts_waited(first=0.2, sent=1)
     assert 0.2 <= took < 0.5 and why == "s sent 1 of its 3 parts, then none in 0.2 s", (took, why)
     # one that reduces no span: until the sender timeout, then out of the rest of the span
-    took, why, averages, banned = next_parts_waited(first=0.2, sent=1, reduces=False)
+    took, why, averages, banned, _ = next_parts_waited(first=0.2, sent=1, reduces=False)
     assert took >= 0.8 and not why and banned == {"s"}, (took, why, banned)
     assert averages == [3.0, 1.5, 1.5]  # (0 + 3 + 6) / 3, then (0 + 3) / 2
-    took, why, averages, banned = next_parts_waited(first=None, sent=1)  # none measured
+    took, why, averages, banned, _ = next_parts_waited(first=None, sent=1)  # none measured
     assert took >= 0.8 and not why and averages == [3.0, 1.5, 1.5], (took, why, averages)
-    took, why, averages, banned = next_parts_waited(first=0.2, sent=3, gap=0.1)  # slow, in time
+    # slow, in time: not cut, and its longest gap kept (a slow link's next timeouts are its own)
+    took, why, averages, banned, gaps = next_parts_waited(first=0.2, sent=3, gap=0.1)
     assert averages == [3.0, 3.0, 3.0] and not why and not banned, (took, why, banned)
-    took, why, averages, banned = next_parts_waited(first=0.2, sent=3)  # all sent, then frozen
+    assert 0.05 <= gaps["s"] < 0.2 and gaps["a"] < 0.05, gaps
+    took, why, averages, banned, _ = next_parts_waited(first=0.2, sent=3)  # all sent, then frozen
     assert took < 0.2 and averages == [3.0, 3.0, 3.0] and not banned, (took, banned)
 
 
@@ -1004,8 +1013,8 @@ def test_a_first_part_timeout_is_the_floor_plus_three_times_the_members_slowest_
     """Each member's first-part timeout comes from its own latest delays, as this member
     measured them: a slow link's are long, so it is never held to a fast one's. A member with
     none measured (new, or a staller that never sent a part) is held to the lower median of
-    the measured peers' slowest (one slow peer does not set it for all); where none was
-    measured at all, none (the sender timeout)."""
+    the measured peers' slowest (one slow peer does not set it for all), once two peers are
+    measured; else none (the sender timeout)."""
     delays = {"fast": [0.01, 0.03, 0.02], "slow": [1.5, 2.0], "none": []}
     assert first_part_timeouts(delays, ["fast", "slow", "none", "new"], floor=1.0) == {
         "fast": pytest.approx(1.09),
@@ -1015,7 +1024,10 @@ def test_a_first_part_timeout_is_the_floor_plus_three_times_the_members_slowest_
     }
     three = {"a": [0.1], "b": [0.2], "c": [4.0]}
     assert first_part_timeouts(three, ["new"], floor=1.0) == {"new": pytest.approx(1.6)}
-    assert first_part_timeouts({"fast": [0.02]}, ["new"], floor=0.5) == {"new": pytest.approx(0.56)}
+    # one peer measured alone does not set it (its fast parts would cut every member new here)
+    assert first_part_timeouts({"fast": [0.02]}, ["new"], floor=0.5) == {}
+    two = {"fast": [0.02], "slow": [1.0]}  # of two, the faster: a new member slower than it loses
+    assert first_part_timeouts(two, ["new"], floor=0.5) == {"new": pytest.approx(0.56)}
     assert first_part_timeouts({"none": []}, ["none", "new"]) == {}
 
 
@@ -1243,6 +1255,7 @@ class AnsweringRunner:
 
     over = False
     sender_peer_ids: tuple = ()
+    ended_at, ended_over = 0.0, frozenset()
 
     async def rpc_aggregate_part(self, stream, context):
         async for part in stream:
@@ -1260,6 +1273,7 @@ def handlers_alone() -> GuardedAverager:
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
     avg._heard, avg._opened, avg._ran, avg._admitted, avg._first_parts = {}, {}, {}, {}, {}
+    avg._streams = {}
     avg.allreduce_kwargs = {}
     avg._gave_up_on, avg._missed, avg._assembled, avg._requests = {}, {}, set(), 0
     avg._left_out = LeftOut(lambda peer_id, why, kind: None, lambda peer_id: False)
@@ -2136,9 +2150,10 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
     gets it (the gate's own time not counted; one past the sender
     timeout not at all: its sender was stopped, bench attack's staller waking). A part for a
     group this member neither runs nor ran, or from a peer not in it, measures nothing (anyone
-    could set its own delays at no cost), nor does an ask for this member's span (no part),
-    which leaves the caller's stamps as they were; each peer's latest FIRST_PARTS_KEPT are
-    kept."""
+    could set its own delays at no cost), nor does a member's second stream of parts of a group
+    (refused: hivemind's reducer counts parts, not senders), nor a part of a group whose round
+    is over but from a member it ended over, nor an ask for this member's span (no part), which
+    leaves the caller's stamps as they were; each peer's latest FIRST_PARTS_KEPT are kept."""
     from hivemind.compression import serialize_torch_tensor
 
     members = ("slow", "fast", "gated", "stopped", "asker")
@@ -2152,7 +2167,9 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
         avg._running_groups[b"a"] = asyncio.Future()
         avg._running_groups[b"a"].set_result(runner)
 
-        async def send(member: str, part: bool, after: float = 0.0, group: bytes = b"a") -> None:
+        codes: dict[str, list] = {}
+
+        async def send(member: str, part: bool, after: float = 0.0, group: bytes = b"a") -> list:
             comes = time.monotonic() + after  # (read or not: a stream's part comes by itself)
 
             async def messages():
@@ -2163,25 +2180,39 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
                 yield message
 
             sender = SimpleNamespace(remote_id=member)
-            [m.code async for m in avg.rpc_aggregate_part(messages(), sender)]
+            return [m.code async for m in avg.rpc_aggregate_part(messages(), sender)]
 
         await send("slow", part=True, after=0.2)
+        # one stream of parts per member and group: a second is refused, and measures nothing
+        codes["second"] = await send("slow", part=True, after=0.3)
         avg._opened["asker"] = avg._admitted["asker"] = 1.0
         await send("asker", part=False, after=0.2)
-        for _ in range(FIRST_PARTS_KEPT + 2):
-            await send("fast", part=True)
+        for index in range(FIRST_PARTS_KEPT + 2):  # (a group each)
+            avg._running_groups[bytes([index])] = asyncio.Future()
+            avg._running_groups[bytes([index])].set_result(runner)
+            await send("fast", part=True, group=bytes([index]))
         await send("outsider", part=True)  # not in the group
         await send("slow", part=True, group=b"z" * 20)  # a group it runs not
+        # a group still registered, its round over: a part of a member it did not end over
+        # measures nothing; one of a member it ended over is a late part (below)
+        over = AnsweringRunner()
+        over.over, over.sender_peer_ids = True, ("quick", "overdue")
+        over.ended_at, over.ended_over = time.monotonic() + 1.0, frozenset({"overdue"})
+        avg._running_groups[b"o"] = asyncio.Future()
+        avg._running_groups[b"o"].set_result(over)
+        await send("quick", part=True, group=b"o")
+        await send("overdue", part=True, after=0.1, group=b"o")
         # a group it ran, whose round ended early over the sender before its part came, from a
         # stream let in before that end: the measure its next rounds need (else a member slower
         # than the typical lost every one). Once per member and group; not from a member the
         # round did not end over, nor from a stream opened after the end (a part sent at
         # leisure for a round over would let anyone set its own timeout)
-        avg._ran[b"r"] = Ran(time.monotonic() + 0.1, frozenset({"late", "again"}))
+        avg._ran[b"r"] = Ran(time.monotonic() + 1.0, frozenset({"late"}))
         await send("late", part=True, after=0.2, group=b"r")
         await send("late", part=True, after=0.4, group=b"r")  # a second: not kept
         await send("outsider", part=True, group=b"r")  # the round did not end over it
-        await send("again", part=True, group=b"r")  # its stream opened after the round's end
+        avg._ran[b"q"] = Ran(time.monotonic() - 0.1, frozenset({"again"}))
+        await send("again", part=True, group=b"q")  # its stream opened after the round's end
 
         class SlowGate:  # a read of the roster
             async def allows(self, dht, peer_id):
@@ -2202,13 +2233,15 @@ def test_a_member_keeps_each_peers_latest_first_part_delays_from_parts_not_asks(
         # past the sender timeout, late or not: not kept (bench attack's staller, waking 17 s on)
         avg._ran[b"d"] = Ran(time.monotonic() + 0.05, frozenset({"woke"}))
         await send("woke", part=True, after=0.35, group=b"d")
+        assert codes["second"] == [averaging_pb2.PROTOCOL_VIOLATION], codes
         return avg._first_parts, {
             "opened": avg._opened["asker"],
             "admitted": avg._admitted["asker"],
         }
 
     delays, asker = asyncio.run(scenario())
-    assert set(delays) == {"slow", "fast", "gated", "late", "capped"}, delays
+    assert set(delays) == {"slow", "fast", "gated", "late", "capped", "overdue"}, delays
+    assert len(delays["overdue"]) == 1 and 0.1 <= delays["overdue"][0] < 0.3, delays
     assert len(delays["late"]) == 1 and 0.2 <= delays["late"][0] < 0.4, delays
     assert list(delays["capped"]) == [pytest.approx(0.1)], delays
     assert len(delays["slow"]) == 1 and 0.2 <= delays["slow"][0] < 0.5, delays

@@ -105,15 +105,16 @@ def first_part_timeouts(
     own. A member
     with none measured (new here, or one that never sent a part: bench attack's staller, frozen
     in every group it joins) is held to the lower median, over the peers measured, of each one's
-    slowest (no one peer's slow parts set it for everyone); where none was measured at all,
-    none (the sender timeout). A new member slower than that loses the round it first joins
+    slowest (no one peer's slow parts set it for everyone), once two peers are measured (one
+    peer's fast parts alone do not set it; of two, the faster does); else none (the sender
+    timeout). A new member slower than that loses the round it first joins
     (not named: its parts still come), and is timed by its own from then on (its part, late for
     that round, measured: guarded.py, _late_first_part). A member can still lengthen its own
     timeout, up to the sender timeout, with a slow first part in a round it is in (that round
     waits for it), or one late for a round ended over it (a stall that cost that round): no
     worse than the sender timeout it had before."""
     longest = sorted(max(d) for d in delays.values() if d)
-    typical = longest[(len(longest) - 1) // 2] if longest else None
+    typical = longest[(len(longest) - 1) // 2] if len(longest) >= 2 else None
     timeouts = {}
     for peer in members:
         own = delays.get(peer)
@@ -163,6 +164,7 @@ class ExactAverageRunner(CountedRunner):
         first_part_timeouts: dict[Any, float] | None = None,
         first_part_delays: dict[Any, Collection[float]] | None = None,
         first_part_floor: float = START_FLOOR_S,
+        on_part_gap: Callable[[Any, float], None] | None = None,
         **kwargs: Any,
     ):
         """`out_of_sync`: members whose synchronized parameters differ from the group's
@@ -180,7 +182,10 @@ class ExactAverageRunner(CountedRunner):
         take to send its first part; `first_part_delays` (kept up to date as parts come, this
         round's too) and `first_part_floor` give a member without one a timeout as the round
         goes on (first_part_timeouts: the others' typical once some first part was measured, in
-        a new swarm's first round too; none: until the sender timeout)."""
+        a new swarm's first round too; none: until the sender timeout); `on_part_gap` is told,
+        once a sender's stream of this member's span has brought every part, the longest this
+        member's span waited for one of its next parts (guarded.py keeps it with its first
+        parts' delays: a slow link's gaps set its own timeout as its first parts do)."""
         super().__init__(**kwargs)
         self._leader = leader
         self.tensor_part_container.return_deltas = False  # a failed reducer: our own part
@@ -208,6 +213,8 @@ class ExactAverageRunner(CountedRunner):
         self._first_part_timeout = dict(first_part_timeouts or {})
         self._first_part_delays = {} if first_part_delays is None else first_part_delays
         self._first_part_floor = first_part_floor
+        self._on_part_gap = on_part_gap
+        self.ended_at = math.inf  # when this member's round of the group ended (monotonic)
         self._verdict: asyncio.Task | None = None
         # reducers whose silence ended the round early: their verdicts (_name_if_no_averages)
         self._late: dict[Any, asyncio.Future] = {}
@@ -252,6 +259,7 @@ class ExactAverageRunner(CountedRunner):
         machine was left out of the next two rounds as if it had.) Where the group's leader is
         silent too, only the leader is named (silent_members)."""
         if not self._future.done():
+            self.ended_at = time.monotonic()
             silent = [p for p in self._silent() if p not in self._unheard]
             for peer_id in silent_members(silent, self._leader):
                 self._stalled(peer_id, "sent none of its parts")
@@ -412,10 +420,9 @@ class ExactAverageRunner(CountedRunner):
     def _first_part_allowed(self, peer_id: Any) -> float | None:
         """`peer_id`'s first-part timeout: as the round began, or where it had none then (no
         first part of its measured, nor any other's), from the delays measured since, this
-        round's first parts included, once two peers' are (one peer's fast parts alone would
-        set it for every member not measured yet; None: the sender timeout)."""
+        round's first parts included (None: the sender timeout)."""
         allowed = self._first_part_timeout.get(peer_id)
-        if allowed is None and sum(1 for d in self._first_part_delays.values() if d) >= 2:
+        if allowed is None and self._first_part_delays:
             delays, floor = self._first_part_delays, self._first_part_floor
             allowed = first_part_timeouts(delays, [peer_id], floor).get(peer_id)
         return allowed
@@ -687,7 +694,7 @@ class ExactAverageRunner(CountedRunner):
         self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """hivemind's, sending the average rather than the average minus the sender's part."""
-        part_index = 0
+        part_index, gap = 0, 0.0
         try:
             loop = asyncio.get_event_loop()
             async for part, weight, wire in amap_in_executor(
@@ -699,7 +706,7 @@ class ExactAverageRunner(CountedRunner):
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
-                self._awaited.pop(sender_index, None)
+                gap = max(gap, time.monotonic() - self._awaited.pop(sender_index, math.inf))
                 compression = wire.compression
                 self._received(sender_index, part_index, wire)
                 try:
@@ -722,6 +729,8 @@ class ExactAverageRunner(CountedRunner):
             self._awaited.pop(sender_index, None)
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+            elif self._on_part_gap is not None and gap > 0:  # (a span of one part: no gap)
+                self._on_part_gap(self.sender_peer_ids[sender_index], gap)
 
 
 def _retrieved(task: asyncio.Future) -> None:

@@ -172,6 +172,7 @@ class GuardedAverager(DecentralizedAverager):
         )
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came
+        self._streams: dict[bytes, set[PeerID]] = {}  # group ID -> members that streamed parts
         self._opened: dict[PeerID, float] = {}  # peer -> when it last opened a stream of parts
         self._admitted: dict[PeerID, float] = {}  # peer -> its stream let in, no first part yet
         self._first_parts: dict[PeerID, deque[float]] = {}  # peer -> its first parts' delays
@@ -316,10 +317,10 @@ class GuardedAverager(DecentralizedAverager):
         # or to a redo), the ask reached its runner, which answers no ask, and the asker named
         # it unless its parts had reached the asker, which a redo ended at once may not send
         asked_before = not running and not first.HasField("tensor_part")
-        if first.HasField("tensor_part") and not refused:
-            if group is not None and not group.over and caller in group.sender_peer_ids:
-                self._first_part_took(caller, came - admitted)  # (a member's, of a group it runs)
-            elif (ran := self._ran.get(first.group_id)) is not None:
+        over = group is None or group.over
+        if over and first.HasField("tensor_part") and not refused:
+            ran = self._ran_record(first.group_id, group)
+            if ran is not None:
                 self._late_first_part(ran, caller, admitted, came)
         if group is None or group.over or asked_before:  # not in it, or its round is over
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
@@ -331,6 +332,19 @@ class GuardedAverager(DecentralizedAverager):
             # anyone else this one refuses stays refused
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
+        if first.HasField("tensor_part"):
+            # one stream of parts per member and group: hivemind's reducer counts parts, not
+            # senders, so a second stream's part 0 completed part 0 before an honest sender's
+            # came (whose stream then failed, and was left out of the span); its first part,
+            # sent at leisure, set its sender's first-part timeout at no cost
+            streams = self._streams.setdefault(first.group_id, set())
+            keep_latest(self._streams, HEARD_KEPT)
+            if caller in streams:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+            streams.add(caller)
+            if not refused and caller in group.sender_peer_ids:
+                self._first_part_took(caller, came - admitted)  # (a member's, of a group it runs)
         # the reducer's side of this member's traffic: parts in, averages out. (To the group's
         # runner itself: hivemind's handler looks the group up again, and where its round had
         # ended meanwhile it waited for this member's next group to answer. A member that asked
@@ -342,12 +356,14 @@ class GuardedAverager(DecentralizedAverager):
             yield message
 
     def _first_part_took(self, peer_id: PeerID, seconds: float) -> None:
-        """Keep how long `peer_id`'s first part took to come after the gate let its stream in (its
+        """Keep how long `peer_id`'s first part took to come after the gate let its stream in, or
+        the longest its parts of a span it completed came apart (exact.py, `on_part_gap`; its
         latest FIRST_PARTS_KEPT, for the latest OPENED_KEPT peers): its first-part timeout
-        (exact.first_part_timeouts). Only a member's part of a group this member runs counts
-        (or one late for a round ended over it: _late_first_part): a part for a made-up group,
-        or one sent at leisure for a round over, would let anyone set its own delays at no
-        cost. One that took the sender timeout or more is no measure of its link: no round would
+        (exact.first_part_timeouts). Only a member's first stream of parts of a group this
+        member runs counts (or one late for a round ended over it: _late_first_part): a part for
+        a made-up group, or one sent at leisure on a second stream or for a round over, would let
+        anyone set its own delays at no cost. One that took the sender timeout or more is no
+        measure of its link: no round would
         have waited for it, and its sender was stopped, not slow (bench attack's staller, frozen
         after opening its streams, sends its first parts as it wakes, 17 s later; kept, that gave it
         the sender timeout in every later round)."""
@@ -358,6 +374,16 @@ class GuardedAverager(DecentralizedAverager):
         delays.append(seconds)
         self._first_parts[peer_id] = delays
         keep_latest(self._first_parts, OPENED_KEPT)
+
+    def _ran_record(self, group_id: bytes, group: Any) -> Ran | None:
+        """What this member keeps of a group it ran (None: it did not, or has forgotten): kept
+        from its runner as soon as the round is over (`group`), before this member's clean-up
+        of the round ends (a part that came meanwhile is judged as any late one)."""
+        ran = self._ran.get(group_id)
+        if ran is None and group is not None and group.over:
+            ran = self._ran[group_id] = Ran(group.ended_at, frozenset(group.ended_over))
+            keep_latest(self._ran, HEARD_KEPT)
+        return ran
 
     def _late_first_part(self, ran: Ran, caller: PeerID, admitted: float, came: float) -> None:
         """Keep the delay of a first part that came after this member's round of its group ended
@@ -739,7 +765,10 @@ class GuardedAverager(DecentralizedAverager):
         finally:
             self._running = None
             self._group_ended = time.monotonic()
-            self._ran[group_info.group_id] = Ran(time.monotonic(), frozenset(self._ended_over))
+            # (kept from its runner already where the round ran one: _ran_record)
+            self._ran.setdefault(
+                group_info.group_id, Ran(time.monotonic(), frozenset(self._ended_over))
+            )
             keep_latest(self._ran, HEARD_KEPT)
             self._assembled.discard(group_info.group_id)  # ran: a late request is refused
             started = self._running_groups.get(group_info.group_id)
@@ -781,6 +810,7 @@ class GuardedAverager(DecentralizedAverager):
             ),
             first_part_delays=self._first_parts,
             first_part_floor=self._start_timeout_s,
+            on_part_gap=self._first_part_took,
             leader=self._led_by.get(group_info.group_id),
             traffic=self._traffic,
             p2p=self._p2p,
@@ -804,6 +834,7 @@ class GuardedAverager(DecentralizedAverager):
             # not waited for in a retry (SUSPECT_ROUNDS); those that took part are again
             self._suspects.tried(group_info.peer_ids, runner.suspects, self._left_out.rounds)
             self._ended_over = set(runner.ended_over)
+            self._ran_record(group_id, runner)  # (its end as the runner saw it)
         self.last_updated = get_dht_time()
         self._state_updated.set()
 
