@@ -168,10 +168,10 @@ class PeerSection:
     """How long after a member's all-reduce starts each other member must have opened its stream
     of parts to it (besides 1.5 times the start lag that member declares: its longest recent step
     where rounds write their contribution at their slot) before the round ends as lost (peer/
-    exact.py); also how long, besides three times its slowest first part of its latest rounds
-    (for a member with none measured, the lower median of the others' slowest), a member that
-    opened its stream may take to send its first part once this member let the stream in. On
-    one machine every
+    exact.py); also how long, besides three times its slowest first part (or gap between parts)
+    of its latest rounds (for a member with none measured, the lower median of the others'
+    slowest), a member that opened its stream may take to send its first part once this member
+    let the stream in, and a member that reduces a span its next part. On one machine every
     member's first part came within 0.65 s; raise it on links with long round trips, where
     opening a stream takes several."""
     state_timeout_s: float = 60.0
