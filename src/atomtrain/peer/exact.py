@@ -418,9 +418,9 @@ class ExactAverageRunner(CountedRunner):
                 return
 
     def _first_part_allowed(self, peer_id: Any) -> float | None:
-        """`peer_id`'s first-part timeout: as the round began, or where it had none then (no
-        first part of its measured, nor any other's), from the delays measured since, this
-        round's first parts included (None: the sender timeout)."""
+        """`peer_id`'s first-part timeout: as the round began, or where it had none then (none
+        of its own measured, nor two other peers'), from the delays measured since, this round's
+        first parts included (None: the sender timeout)."""
         allowed = self._first_part_timeout.get(peer_id)
         if allowed is None and self._first_part_delays:
             delays, floor = self._first_part_delays, self._first_part_floor

@@ -363,10 +363,9 @@ class GuardedAverager(DecentralizedAverager):
         member runs counts (or one late for a round ended over it: _late_first_part): a part for
         a made-up group, or one sent at leisure on a second stream or for a round over, would let
         anyone set its own delays at no cost. One that took the sender timeout or more is no
-        measure of its link: no round would
-        have waited for it, and its sender was stopped, not slow (bench attack's staller, frozen
-        after opening its streams, sends its first parts as it wakes, 17 s later; kept, that gave it
-        the sender timeout in every later round)."""
+        measure of its link: no round would have waited for it, and its sender was stopped, not
+        slow (bench attack's staller, frozen after opening its streams, sends its first parts as
+        it wakes, 17 s later; kept, that gave it the sender timeout in every later round)."""
         timeout = self.allreduce_kwargs.get("sender_timeout")
         if timeout is not None and seconds >= timeout:
             return
