@@ -317,12 +317,12 @@ class GuardedAverager(DecentralizedAverager):
         # or to a redo), the ask reached its runner, which answers no ask, and the asker named
         # it unless its parts had reached the asker, which a redo ended at once may not send
         asked_before = not running and not first.HasField("tensor_part")
-        over = group is None or group.over
+        over = group is None or group.over  # not in it, or its round is over
         if over and first.HasField("tensor_part") and not refused:
             ran = self._ran_record(first.group_id, group)
             if ran is not None:
                 self._late_first_part(ran, caller, admitted, came)
-        if group is None or group.over or asked_before:  # not in it, or its round is over
+        if over or asked_before:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         runner = self._audits.get(first.group_id) if refused else None
@@ -396,11 +396,9 @@ class GuardedAverager(DecentralizedAverager):
             return
         ran.measured.add(caller)
         timeout = self.allreduce_kwargs.get("sender_timeout")
-        if timeout is None:
-            self._first_part_took(caller, came - admitted)
-        elif came - admitted < timeout:  # (past it: stopped, not slow, as _first_part_took says)
-            most = max((timeout - self._start_timeout_s) / FIRST_PART_TIMES, 0.0)
-            self._first_part_took(caller, min(came - admitted, most))
+        most = math.inf if timeout is None else (timeout - self._start_timeout_s) / FIRST_PART_TIMES
+        if timeout is None or came - admitted < timeout:  # (past it: stopped, not slow)
+            self._first_part_took(caller, min(came - admitted, max(most, 0.0)))
 
     def _heard_of(self, group_id: bytes) -> set[PeerID]:
         """The members whose parts for `group_id` reached this member (the latest groups'
