@@ -96,6 +96,67 @@ def test_a_member_holds_a_redo_of_the_group_it_runs_until_it_runs_it_or_its_floo
         assert got is None and took < 0.2
 
 
+def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_kept_sent_it():
+    """guarded._follow_redo: a member that started the lost try later than the others ends it
+    later (its timeouts count from its own start). Once every other member a redo of that
+    group keeps has sent it parts of the redo (each ended the try: it is lost), it ends the try
+    over the members the redo leaves out, and so forms the same redo, not at its own timeouts
+    (past the floor it holds their parts for, the redo ended without it: bench attack, run
+    NP4). One member's parts alone end nothing, nor those of a redo that keeps other members,
+    nor any before its runner exists."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from atomtrain.peer.guarded import GuardedAverager
+
+    class Runner:
+        def __init__(self) -> None:
+            self.ended: list[tuple[str, set]] = []
+
+        def end_early(self, why: str, over) -> None:
+            self.ended.append((why, set(over)))
+
+    def member(started: bool) -> tuple[GuardedAverager, Runner]:
+        avg = GuardedAverager.__new__(GuardedAverager)
+        avg._parent_pid = None  # (never started: hivemind's __del__ reads it)
+        avg.dht = SimpleNamespace(peer_id=peer(1))
+        avg._running, avg._running_sealed, avg._redo_senders = GROUP.group_id, GROUP, {}
+        avg._quorum = lambda: 3
+        runner = Runner()
+        avg._running_groups = {}
+        if started:
+            loop = asyncio.new_event_loop()
+            avg._running_groups[GROUP.group_id] = loop.create_future()
+            avg._running_groups[GROUP.group_id].set_result(runner)
+            loop.close()
+        return avg, runner
+
+    again = redo(GROUP, {peer(2)}, peer(0), 3)  # peers 0, 1 and 3, run by 0 and 3
+    avg, runner = member(started=True)
+    avg._follow_redo(again.group_id, peer(0))
+    assert runner.ended == []  # peer 3 may still be in the try: nothing lost yet here
+    avg._follow_redo(again.group_id, peer(0))  # (its next part: still one member)
+    assert runner.ended == []
+    avg._follow_redo(again.group_id, peer(3))
+    assert len(runner.ended) == 1 and runner.ended[0][1] == {peer(2)}
+    assert "without " + str(peer(2))[-8:] in runner.ended[0][0]
+    # the redo it now forms is the one they run
+    assert redo(GROUP, runner.ended[0][1], peer(1), 3) == again
+
+    other = redo(GROUP, {peer(3)}, peer(0), 3)  # keeps peer 2, which sent it nothing
+    avg, runner = member(started=True)
+    avg._follow_redo(other.group_id, peer(0))
+    avg._follow_redo(other.group_id, peer(3))  # (not one it keeps: its word counts for nothing)
+    assert runner.ended == []
+    pair = redo(GROUP, {peer(2), peer(3)}, peer(0), 2)  # short of this member's quorum
+    avg._follow_redo(pair.group_id, peer(0))
+    assert runner.ended == []
+    avg, runner = member(started=False)
+    avg._follow_redo(again.group_id, peer(0))
+    avg._follow_redo(again.group_id, peer(3))
+    assert runner.ended == []
+
+
 def test_a_leader_that_names_its_group_as_a_redo_is_refused_and_rejected():
     """Only members name a redo; a leader whose group ID looks like one (which would keep its
     members from redoing its groups, and spared it the blame for forged metadata) is refused

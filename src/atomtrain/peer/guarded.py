@@ -179,6 +179,8 @@ class GuardedAverager(DecentralizedAverager):
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
         self._ran: dict[bytes, Ran] = {}  # groups this member ran, the latest HEARD_KEPT
         self._running: bytes | None = None  # the group this member runs now (its ID)
+        self._running_sealed: Any = None  # that group as it formed (redo.py reads it)
+        self._redo_senders: dict[bytes, set[PeerID]] = {}  # redo ID -> who sent parts of it
         self._ended_over: set[PeerID] = set()  # whom its last try ended early over (exact.py)
         self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
         self._forgers: asyncio.Future | None = None  # this round's read of them (forgers.py)
@@ -457,6 +459,8 @@ class GuardedAverager(DecentralizedAverager):
                 running = self._running is not None and redoes(group_id, self._running)
                 if not running or time.monotonic() - began > self._start_timeout_s:
                     return None
+                if sender is not None:
+                    self._follow_redo(group_id, sender)
                 await asyncio.sleep(0.05)
                 continue
             matchmaking = getattr(self, "_matchmaking", None)
@@ -483,6 +487,29 @@ class GuardedAverager(DecentralizedAverager):
             if not started.cancelled():
                 raise  # this request itself was cancelled: its sender hung up
             return None
+
+    def _follow_redo(self, redo_id: bytes, sender: PeerID) -> None:
+        """`sender` sent parts of a redo of the group this member still runs. Once every other
+        member that redo keeps has (each ran that group's try and ended it: a member joins a
+        redo only then, redo.py), the try is lost here too: this member ends it now over the
+        members the redo leaves out, so that its own redo is that one, rather than holding
+        their parts until its own timeouts end the try. Members that started the try apart end
+        it apart: one later than the others by more than the floor it holds their parts for
+        refused their redo, which then ended, and ran it alone after (bench attack, run NP4).
+        Bound to what the kept members can do anyway: a member that sends parts of a redo
+        while the try goes on spoils that try, as one that stalls it does."""
+        senders = self._redo_senders.setdefault(redo_id, set())
+        senders.add(sender)
+        keep_latest(self._redo_senders, HEARD_KEPT)
+        group, started = self._running_sealed, self._running_groups.get(self._running or b"")
+        if group is None or started is None or not started.done() or started.cancelled():
+            return  # (its runner not started yet: asked again with the next part)
+        over = set(group.peer_ids) - senders - {self.peer_id}
+        again = redo(group, over, self.peer_id, self._quorum())
+        if again is not None and again.group_id == redo_id:
+            kept = ", ".join(str(p)[-8:] for p in again.peer_ids if p != self.peer_id)
+            left = ", ".join(sorted(str(p)[-8:] for p in over))
+            started.result().end_early(f"{kept} ran the group again without {left}", over)
 
     async def rpc_audit_parts(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -744,6 +771,7 @@ class GuardedAverager(DecentralizedAverager):
         self._discard.value = 0  # this attempt's: a retry after a lost one may still land
         self._attempts.value += 1
         self._running, self._ended_over, sealed = group_info.group_id, set(), group_info
+        self._running_sealed = sealed
         try:
             group_info = await self._checked(group_info)
             if not self._audited and any(
@@ -760,7 +788,7 @@ class GuardedAverager(DecentralizedAverager):
                 self._assembled.add(self._redo.group_id)
             raise
         finally:
-            self._running = None
+            self._running = self._running_sealed = None
             self._group_ended = time.monotonic()
             # (kept from its runner already where the round ran one: _ran_record)
             self._ran.setdefault(
