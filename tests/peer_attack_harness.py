@@ -293,7 +293,7 @@ def main() -> None:
         withheld_span_patches()
     if attack in ("withhold", "stall", "late_joiner"):  # how each round ended early, and was
         handler = logging.StreamHandler(sys.stdout)  # tried again, into this peer's log
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
         for name in ("atomtrain.peer.exact", "atomtrain.peer.guarded"):
             logging.getLogger(name).addHandler(handler)
             logging.getLogger(name).setLevel(logging.INFO)

@@ -209,6 +209,21 @@ def test_a_peer_without_the_key_is_refused_at_every_gate():
         dht.shutdown()
 
 
+def story(logs: list[str], limit: int = 2000) -> str:
+    """What each peer said of its rounds (atomtrain's lines and hivemind's warnings, its last
+    `limit` characters): a failed assertion's message, so a failure in CI can be read."""
+    told = []
+    for i, log in enumerate(logs):
+        lines = [
+            line
+            for line in log.splitlines()
+            if any(word in line for word in (" atomtrain.", "[WARN]", "[ERROR]"))
+            or line.startswith("peer ")
+        ]
+        told.append(f"--- peer {i} ---\n" + "\n".join(lines)[-limit:])
+    return "\n".join(told)
+
+
 def run_round(tmp_path: Path, attack: str, defend: bool, honest: int = 2) -> dict[int, dict]:
     """Three averager processes (two honest, peer 2 poisoned), three rounds each; or `honest`
     honest ones and peer `honest` poisoned. The honest peers' outputs."""
@@ -509,12 +524,12 @@ def test_a_member_that_stalls_rounds_costs_one_round_and_is_left_out(tmp_path: P
     2026-12-05, the last round. It counts against the one round a peer may lose.)"""
     outs = run_round(tmp_path, "stall", defend=True)
     logs = [(tmp_path / "stall-defended" / f"log{i}.txt").read_text() for i in range(3)]
-    ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
-    for out in outs.values():
+    for i, out in outs.items():
+        told = f"peer {i}: {out['rounds']}\n{story(logs)}"
         failed = [r["failed"] for r in out["rounds"]]
-        assert sum(failed) <= 1, (out["rounds"], ids)  # a stall costs at most one round
+        assert sum(failed) <= 1, told  # a stall costs at most one round
         later = [r for r in out["rounds"][1:] if not r["failed"]]
-        assert later and all(r["group"] == 2 for r in later), (out["rounds"], ids)
+        assert later and all(r["group"] == 2 for r in later), told
         assert all(torch.allclose(r["delta"], honest_mean(), atol=1e-6) for r in later)
         assert [name for name, _ in out["stalled"]] == ["staller"], out["stalled"]
         assert not out["rejected"]  # left out for a while, not banned for good
@@ -529,18 +544,18 @@ def test_a_stalled_try_is_run_again_at_once_by_its_group_without_the_staller(tmp
     that round for it: open in issue 12)."""
     outs = run_round(tmp_path, "stall", defend=True, honest=3)
     logs = [(tmp_path / "stall-defended" / f"log{i}.txt").read_text() for i in range(4)]
-    ids = [line for log in logs for line in log.splitlines() if line.startswith("peer ")]
     want, with_staller = honest_mean(3), honest_mean(4)  # (the staller's update is vectors(3))
 
     def off(delta: torch.Tensor, mean: torch.Tensor) -> float:
         return float((delta - mean).norm() / mean.norm())
 
     for i, out in outs.items():
+        told = f"peer {i}: {out['rounds']}\n{story(logs)}"
         redone = [line for line in logs[i].splitlines() if "trying the lost group again" in line]
-        assert len(redone) == 1, (logs[i][-3000:], ids)  # the stalled round's; one redo a group
+        assert len(redone) == 1, told  # the stalled round's; one redo a group
         first = out["rounds"][0]
-        assert not first["failed"] and first["group"] == 3, (out["rounds"], ids)
-        assert first["attempts"] == 2, (out["rounds"], ids)  # the lost try, then its redo
+        assert not first["failed"] and first["group"] == 3, told
+        assert first["attempts"] == 2, told  # the lost try, then its redo
         # the three's parts clipped around their median (robust.py), not their plain mean: 3%
         # off it here; the staller's update would move it 60%
         assert off(first["delta"], want) < 0.1 and off(first["delta"], with_staller) > 0.3

@@ -30,7 +30,11 @@ holds them until that try ends (guarded.py, _group_runner), then runs the same r
 parts of any other redo it refuses at once. It holds them no longer than the start timeout's floor
 (`peer.start_timeout_s`): its sender ends the redo over it by then, and asks it for its span. Held
 until a long try ended, that ask went unanswered past the asker's reducer timeout, and the asker
-named an honest member (bench attack, a seed's first round: an honest peer left out). A redo holds
+named an honest member (bench attack, a seed's first round: an honest peer left out). Once every
+other member a redo of that group keeps has sent it parts of the redo, the try is lost there too
+(each of them ended it): that member ends it at once over the members the redo leaves out, and so
+runs the same redo (guarded.py, _follow_redo), rather than at its own timeouts, which came past
+that floor where it started the try later than the others by more. A redo holds
 nothing new to trust: its metadata is what each member sealed for the round and is checked as any
 group's, and its all-reduce is the round's usual one, audited where the swarm audits.
 """
