@@ -11,6 +11,7 @@ def peer(i: int) -> PeerID:
 
 
 GROUP = GroupInfo(b"g" * 20, tuple(peer(i) for i in range(4)), tuple(b"m%d" % i for i in range(4)))
+GROUP3 = GroupInfo(b"t" * 20, GROUP.peer_ids[:3], GROUP.gathered[:3])
 
 
 def test_a_redo_keeps_the_group_order_and_sealed_metadata_of_the_members_not_ended_over():
@@ -97,64 +98,84 @@ def test_a_member_holds_a_redo_of_the_group_it_runs_until_it_runs_it_or_its_floo
 
 
 def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_kept_sent_it():
-    """guarded._follow_redo: a member that started the lost try later than the others ends it
-    later (its timeouts count from its own start). Once every other member a redo of that
-    group keeps has sent it parts of the redo (each ended the try: it is lost), it ends the try
-    over the members the redo leaves out, and so forms the same redo, not at its own timeouts
-    (past the floor it holds their parts for, the redo ended without it: bench attack, run
-    NP4). One member's parts alone end nothing, nor those of a redo that keeps other members,
-    nor any before its runner exists."""
+    """guarded._follow_redo, through _group_runner as parts of a redo are held: a member that
+    started the lost try later than the others ends it later (its timeouts count from its own
+    start). Once every other member a redo of that group keeps has sent it parts of the redo
+    (each ended the try: it is lost), it ends the try over the one member the redo leaves out,
+    and so forms and runs the same redo, not at its own timeouts (past the floor it holds their
+    parts for, the redo ended without it: bench attack, run NP4). The left-out member's own
+    parts of it count for nothing; one member's parts alone end nothing, nor asks, nor a redo
+    leaving out a member this one heard from, more than one member, or all but a pair."""
     import asyncio
+    import time
     from types import SimpleNamespace
 
     from atomtrain.peer.guarded import GuardedAverager
 
+    REDO_RUNNER = object()
+
     class Runner:
-        def __init__(self) -> None:
+        """The lost try's runner: whom it heard from; ending it early does what the averager
+        does then (guarded._aggregate_with_group): its redo formed and run."""
+
+        def __init__(self, avg: GuardedAverager, heard: set, quorum: int) -> None:
+            self.avg, self.heard, self.quorum = avg, heard, quorum
             self.ended: list[tuple[str, set]] = []
+
+        def heard_from(self, peer_id) -> bool:
+            return peer_id in self.heard
 
         def end_early(self, why: str, over) -> None:
             self.ended.append((why, set(over)))
+            avg = self.avg
+            again = redo(avg._running_sealed, set(over), avg.peer_id, self.quorum)
+            avg._assembled.add(again.group_id)
+            avg._running = avg._running_sealed = None
+            avg._running_groups[again.group_id] = asyncio.get_running_loop().create_future()
+            avg._running_groups[again.group_id].set_result(REDO_RUNNER)
 
-    def member(started: bool) -> tuple[GuardedAverager, Runner]:
+    async def held(group, heard, quorum, redo_id, sent) -> tuple[list, list, float]:
+        """Parts (or asks: parts False) of `redo_id` from each of `sent` in turn, 0.1 s apart,
+        reach peer 1 as it still runs `group`: what each got, how the try ended, how long."""
         avg = GuardedAverager.__new__(GuardedAverager)
         avg._parent_pid = None  # (never started: hivemind's __del__ reads it)
         avg.dht = SimpleNamespace(peer_id=peer(1))
-        avg._running, avg._running_sealed, avg._redo_senders = GROUP.group_id, GROUP, {}
-        avg._quorum = lambda: 3
-        runner = Runner()
-        avg._running_groups = {}
-        if started:
-            loop = asyncio.new_event_loop()
-            avg._running_groups[GROUP.group_id] = loop.create_future()
-            avg._running_groups[GROUP.group_id].set_result(runner)
-            loop.close()
-        return avg, runner
+        avg._ran, avg._assembled, avg._missed, avg._gave_up_on = {}, set(), {}, {}
+        avg._asking, avg._matchmaking, avg._start_timeout_s = 0, None, 0.5
+        avg._running, avg._running_sealed, avg._redo_senders = group.group_id, group, {}
+        avg._quorum = lambda: quorum
+        runner = Runner(avg, heard, quorum)
+        avg._running_groups = {group.group_id: asyncio.get_running_loop().create_future()}
+        avg._running_groups[group.group_id].set_result(runner)
+        began, tasks = time.monotonic(), []
+        for sender, parts in sent:
+            tasks.append(asyncio.ensure_future(avg._group_runner(redo_id, sender, parts)))
+            await asyncio.sleep(0.1)
+        got = await asyncio.gather(*tasks)
+        return got, runner.ended, time.monotonic() - began
 
     again = redo(GROUP, {peer(2)}, peer(0), 3)  # peers 0, 1 and 3, run by 0 and 3
-    avg, runner = member(started=True)
-    avg._follow_redo(again.group_id, peer(0))
-    assert runner.ended == []  # peer 3 may still be in the try: nothing lost yet here
-    avg._follow_redo(again.group_id, peer(0))  # (its next part: still one member)
-    assert runner.ended == []
-    avg._follow_redo(again.group_id, peer(3))
-    assert len(runner.ended) == 1 and runner.ended[0][1] == {peer(2)}
-    assert "without " + str(peer(2))[-8:] in runner.ended[0][0]
-    # the redo it now forms is the one they run
-    assert redo(GROUP, runner.ended[0][1], peer(1), 3) == again
-
-    other = redo(GROUP, {peer(3)}, peer(0), 3)  # keeps peer 2, which sent it nothing
-    avg, runner = member(started=True)
-    avg._follow_redo(other.group_id, peer(0))
-    avg._follow_redo(other.group_id, peer(3))  # (not one it keeps: its word counts for nothing)
-    assert runner.ended == []
-    pair = redo(GROUP, {peer(2), peer(3)}, peer(0), 2)  # short of this member's quorum
-    avg._follow_redo(pair.group_id, peer(0))
-    assert runner.ended == []
-    avg, runner = member(started=False)
-    avg._follow_redo(again.group_id, peer(0))
-    avg._follow_redo(again.group_id, peer(3))
-    assert runner.ended == []
+    # the left-out member's parts first, then the two others kept: it follows at the last
+    sent = [(peer(2), True), (peer(0), True), (peer(3), True)]
+    got, ended, took = asyncio.run(held(GROUP, {peer(0), peer(3)}, 3, again.group_id, sent))
+    assert got == [REDO_RUNNER] * 3 and took < 0.45  # (before the floor, 0.5 s)
+    assert len(ended) == 1 and ended[0][1] == {peer(2)}
+    assert ended[0][0].endswith("ran the group again without " + str(peer(2))[-8:])
+    # none of these end the try: their parts are refused at the floor, as before
+    for group, heard, quorum, redo_id, sent in (
+        # peer 3 may still be in the try: nothing lost yet here
+        (GROUP, set(), 3, again.group_id, [(peer(0), True), (peer(0), True)]),
+        # asks for this member's span, not parts
+        (GROUP, set(), 3, again.group_id, [(peer(0), False), (peer(3), False)]),
+        # peer 2's parts of the try reached this member
+        (GROUP, {peer(2)}, 3, again.group_id, [(peer(0), True), (peer(3), True)]),
+        # two members left out (two colluders would keep it in a group of three with them)
+        (GROUP, set(), 2, redo(GROUP, {peer(2), peer(3)}, peer(0), 2).group_id, [(peer(0), True)]),
+        # a pair: one other member's word alone
+        (GROUP3, set(), 2, redo(GROUP3, {peer(2)}, peer(0), 2).group_id, [(peer(0), True)]),
+    ):
+        got, ended, took = asyncio.run(held(group, heard, quorum, redo_id, sent))
+        assert got == [None] * len(sent) and ended == [] and took >= 0.5
 
 
 def test_a_leader_that_names_its_group_as_a_redo_is_refused_and_rejected():
@@ -230,7 +251,7 @@ def test_an_ask_that_came_before_its_member_ran_the_group_is_answered_not_in_it(
         avg._gate, avg.dht, avg._defence = SimpleNamespace(allows=allows), None, None
         avg._running_groups = {b"g" * 20: None} if running else {}
 
-        async def group_runner(group_id, sender=None):
+        async def group_runner(group_id, sender=None, parts=False):
             return Runner()  # (it runs the group by now)
 
         avg._group_runner = group_runner

@@ -313,7 +313,9 @@ class GuardedAverager(DecentralizedAverager):
         # parts that came before this member started the group, or after its round ended early,
         # name no staller (exact.py, end_early)
         self._heard_of(first.group_id).add(context.remote_id)
-        group = await self._group_runner(first.group_id, context.remote_id)
+        # (parts its gate let in: a redo's may end the try this member still runs)
+        parts = first.HasField("tensor_part") and not refused
+        group = await self._group_runner(first.group_id, context.remote_id, parts)
         # an ask for this member's span (no part: exact.py, _answers) that came before it ran
         # the group is answered that it was not in it: held until it ran it (late to its group,
         # or to a redo), the ask reached its runner, which answers no ask, and the asker named
@@ -409,7 +411,9 @@ class GuardedAverager(DecentralizedAverager):
         keep_latest(self._heard, HEARD_KEPT)
         return self._heard.get(group_id, heard)
 
-    async def _group_runner(self, group_id: bytes, sender: PeerID | None = None) -> Any:
+    async def _group_runner(
+        self, group_id: bytes, sender: PeerID | None = None, parts: bool = False
+    ) -> Any:
         """The group's all-reduce (exact.ExactAverageRunner), once this member runs it; None:
         it will not. Waits until this member starts it (or never will:
         _aggregate_with_group cancels it), shielded: hivemind's handler awaits the group's
@@ -448,7 +452,9 @@ class GuardedAverager(DecentralizedAverager):
         ends: its parts wait for that, as long as the start timeout's floor (the start timeout
         its sender gives it: redos run only in rounds that declare no start lag). Any other
         redo it refuses at once: it will not run it, and held while it looks for a group, the
-        ask after would have gone unanswered past the asker's reducer timeout."""
+        ask after would have gone unanswered past the asker's reducer timeout. Parts of such a
+        redo (`parts`: parts its gate let in, not an ask) may end the try this member still runs
+        (_follow_redo)."""
         began = time.monotonic()
         while group_id not in self._running_groups:
             if group_id in self._ran:  # over (its round ended early, say): not looking for it
@@ -459,7 +465,7 @@ class GuardedAverager(DecentralizedAverager):
                 running = self._running is not None and redoes(group_id, self._running)
                 if not running or time.monotonic() - began > self._start_timeout_s:
                     return None
-                if sender is not None:
+                if parts and sender is not None:
                     self._follow_redo(group_id, sender)
                 await asyncio.sleep(0.05)
                 continue
@@ -490,26 +496,37 @@ class GuardedAverager(DecentralizedAverager):
 
     def _follow_redo(self, redo_id: bytes, sender: PeerID) -> None:
         """`sender` sent parts of a redo of the group this member still runs. Once every other
-        member that redo keeps has (each ran that group's try and ended it: a member joins a
-        redo only then, redo.py), the try is lost here too: this member ends it now over the
-        members the redo leaves out, so that its own redo is that one, rather than holding
-        their parts until its own timeouts end the try. Members that started the try apart end
-        it apart: one later than the others by more than the floor it holds their parts for
-        refused their redo, which then ended, and ran it alone after (bench attack, run NP4).
-        Bound to what the kept members can do anyway: a member that sends parts of a redo
-        while the try goes on spoils that try, as one that stalls it does."""
+        member kept by that redo has (a member joins a redo only once it ended the try: an
+        honest one, redo.py), and it leaves out one member only, whose parts of the try never
+        reached this member, this member ends its try now over that one, so that its own redo
+        is theirs, rather than holding their parts until its own timeouts end the try. Members
+        that started the try apart end it apart: one later than the others by more than the
+        floor it holds their parts for refused their redo, which then ended, and ran its own
+        alone after (bench attack, run NP4). Bounded so that no member steers it where
+        stalling could not: never over a member it heard from, nor into a pair (one other
+        member's word alone), nor leaving out more than one member (two colluders could
+        otherwise keep it in a group of three with them, out of a larger one); the left-out
+        member's own parts of the redo count for nothing."""
         senders = self._redo_senders.setdefault(redo_id, set())
         senders.add(sender)
         keep_latest(self._redo_senders, HEARD_KEPT)
         group, started = self._running_sealed, self._running_groups.get(self._running or b"")
         if group is None or started is None or not started.done() or started.cancelled():
-            return  # (its runner not started yet: asked again with the next part)
-        over = set(group.peer_ids) - senders - {self.peer_id}
-        again = redo(group, over, self.peer_id, self._quorum())
-        if again is not None and again.group_id == redo_id:
-            kept = ", ".join(str(p)[-8:] for p in again.peer_ids if p != self.peer_id)
-            left = ", ".join(sorted(str(p)[-8:] for p in over))
-            started.result().end_early(f"{kept} ran the group again without {left}", over)
+            return  # (its runner not started yet: looked at again as the parts wait)
+        runner = started.result()
+        for peer_id in group.peer_ids:
+            if peer_id == self.peer_id or runner.heard_from(peer_id):
+                continue
+            again = redo(group, {peer_id}, self.peer_id, self._quorum())
+            if again is None or again.group_id != redo_id:
+                continue
+            kept = [p for p in again.peer_ids if p != self.peer_id]
+            if len(kept) >= 2 and senders.issuperset(kept):
+                names = ", ".join(str(p)[-8:] for p in kept)
+                runner.end_early(
+                    f"{names} ran the group again without {str(peer_id)[-8:]}", [peer_id]
+                )
+            return
 
     async def rpc_audit_parts(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
