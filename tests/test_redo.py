@@ -12,6 +12,7 @@ def peer(i: int) -> PeerID:
 
 GROUP = GroupInfo(b"g" * 20, tuple(peer(i) for i in range(4)), tuple(b"m%d" % i for i in range(4)))
 GROUP3 = GroupInfo(b"t" * 20, GROUP.peer_ids[:3], GROUP.gathered[:3])
+GROUP5 = GroupInfo(b"f" * 20, tuple(peer(i) for i in range(5)), tuple(b"m%d" % i for i in range(5)))
 
 
 def test_a_redo_keeps_the_group_order_and_sealed_metadata_of_the_members_not_ended_over():
@@ -103,9 +104,11 @@ def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_ke
     start). Once every other member a redo of that group keeps has sent it parts of the redo
     (each ended the try: it is lost), it ends the try over the one member the redo leaves out,
     and so forms and runs the same redo, not at its own timeouts (past the floor it holds their
-    parts for, the redo ended without it: bench attack, run NP4). The left-out member's own
-    parts of it count for nothing; one member's parts alone end nothing, nor asks, nor a redo
-    leaving out a member this one heard from, more than one member, or all but a pair."""
+    parts for, the redo ended without it: bench attack, run NP4), whether or not the left-out
+    member's parts of the try reached it (one that had all it needed landed the try while the
+    others landed their redo: run FR3). The left-out member's own parts of the redo count for
+    nothing; one member's parts alone end nothing, nor asks, nor a redo leaving out more than
+    one member, or all but a pair."""
     import asyncio
     import time
     from types import SimpleNamespace
@@ -115,15 +118,12 @@ def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_ke
     REDO_RUNNER = object()
 
     class Runner:
-        """The lost try's runner: whom it heard from; ending it early does what the averager
-        does then (guarded._aggregate_with_group): its redo formed and run."""
+        """The lost try's runner: ending it early does what the averager does then
+        (guarded._aggregate_with_group): its redo formed and run."""
 
-        def __init__(self, avg: GuardedAverager, heard: set, quorum: int) -> None:
-            self.avg, self.heard, self.quorum = avg, heard, quorum
+        def __init__(self, avg: GuardedAverager, quorum: int) -> None:
+            self.avg, self.quorum = avg, quorum
             self.ended: list[tuple[str, set]] = []
-
-        def heard_from(self, peer_id) -> bool:
-            return peer_id in self.heard
 
         def end_early(self, why: str, over) -> None:
             self.ended.append((why, set(over)))
@@ -134,7 +134,7 @@ def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_ke
             avg._running_groups[again.group_id] = asyncio.get_running_loop().create_future()
             avg._running_groups[again.group_id].set_result(REDO_RUNNER)
 
-    async def held(group, heard, quorum, redo_id, sent) -> tuple[list, list, float]:
+    async def held(group, quorum, redo_id, sent) -> tuple[list, list, float]:
         """Parts (or asks: parts False) of `redo_id` from each of `sent` in turn, 0.1 s apart,
         reach peer 1 as it still runs `group`: what each got, how the try ended, how long."""
         avg = GuardedAverager.__new__(GuardedAverager)
@@ -144,7 +144,7 @@ def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_ke
         avg._asking, avg._matchmaking, avg._start_timeout_s = 0, None, 0.5
         avg._running, avg._running_sealed, avg._redo_senders = group.group_id, group, {}
         avg._quorum = lambda: quorum
-        runner = Runner(avg, heard, quorum)
+        runner = Runner(avg, quorum)
         avg._running_groups = {group.group_id: asyncio.get_running_loop().create_future()}
         avg._running_groups[group.group_id].set_result(runner)
         began, tasks = time.monotonic(), []
@@ -157,24 +157,27 @@ def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_ke
     again = redo(GROUP, {peer(2)}, peer(0), 3)  # peers 0, 1 and 3, run by 0 and 3
     # the left-out member's parts first, then the two others kept: it follows at the last
     sent = [(peer(2), True), (peer(0), True), (peer(3), True)]
-    got, ended, took = asyncio.run(held(GROUP, {peer(0), peer(3)}, 3, again.group_id, sent))
+    got, ended, took = asyncio.run(held(GROUP, 3, again.group_id, sent))
     assert got == [REDO_RUNNER] * 3 and took < 0.45  # (before the floor, 0.5 s)
     assert len(ended) == 1 and ended[0][1] == {peer(2)}
     assert ended[0][0].endswith("ran the group again without " + str(peer(2))[-8:])
     # none of these end the try: their parts are refused at the floor, as before
-    for group, heard, quorum, redo_id, sent in (
+    for group, quorum, redo_id, sent in (
         # peer 3 may still be in the try: nothing lost yet here
-        (GROUP, set(), 3, again.group_id, [(peer(0), True), (peer(0), True)]),
+        (GROUP, 3, again.group_id, [(peer(0), True), (peer(0), True)]),
         # asks for this member's span, not parts
-        (GROUP, set(), 3, again.group_id, [(peer(0), False), (peer(3), False)]),
-        # peer 2's parts of the try reached this member
-        (GROUP, {peer(2)}, 3, again.group_id, [(peer(0), True), (peer(3), True)]),
+        (GROUP, 3, again.group_id, [(peer(0), False), (peer(3), False)]),
         # two members left out (two colluders would keep it in a group of three with them)
-        (GROUP, set(), 2, redo(GROUP, {peer(2), peer(3)}, peer(0), 2).group_id, [(peer(0), True)]),
+        (
+            GROUP5,
+            3,
+            redo(GROUP5, {peer(3), peer(4)}, peer(0), 3).group_id,
+            [(peer(0), True), (peer(2), True)],
+        ),
         # a pair: one other member's word alone
-        (GROUP3, set(), 2, redo(GROUP3, {peer(2)}, peer(0), 2).group_id, [(peer(0), True)]),
+        (GROUP3, 2, redo(GROUP3, {peer(2)}, peer(0), 2).group_id, [(peer(0), True)]),
     ):
-        got, ended, took = asyncio.run(held(group, heard, quorum, redo_id, sent))
+        got, ended, took = asyncio.run(held(group, quorum, redo_id, sent))
         assert got == [None] * len(sent) and ended == [] and took >= 0.5
 
 

@@ -279,10 +279,6 @@ class ExactAverageRunner(CountedRunner):
             and not (self._heard_from(peer_id) or peer_id in self._not_in_group)
         ]
 
-    def heard_from(self, peer_id: Any) -> bool:
-        """`peer_id` sent this member something of the round (guarded.py's redo follow)."""
-        return self._heard_from(peer_id)
-
     def _heard_from(self, peer_id: Any) -> bool:
         """`peer_id` sent this member something of the round, whenever it came: its parts, or
         averages of its span (which may beat its parts here): it ran the round."""

@@ -497,16 +497,17 @@ class GuardedAverager(DecentralizedAverager):
     def _follow_redo(self, redo_id: bytes, sender: PeerID) -> None:
         """`sender` sent parts of a redo of the group this member still runs. Once every other
         member kept by that redo has (a member joins a redo only once it ended the try: an
-        honest one, redo.py), and it leaves out one member only, whose parts of the try never
-        reached this member, this member ends its try now over that one, so that its own redo
-        is theirs, rather than holding their parts until its own timeouts end the try. Members
-        that started the try apart end it apart: one later than the others by more than the
-        floor it holds their parts for refused their redo, which then ended, and ran its own
-        alone after (bench attack, run NP4). Bounded so that no member steers it where
-        stalling could not: never over a member it heard from, nor into a pair (one other
-        member's word alone), nor leaving out more than one member (two colluders could
-        otherwise keep it in a group of three with them, out of a larger one); the left-out
-        member's own parts of the redo count for nothing."""
+        honest one, redo.py), and it leaves out one member only, this member ends its try now
+        over that one, so that its own redo is theirs, rather than holding their parts until
+        its own timeouts end the try. Members that started the try apart end it apart: one
+        later than the others by more than the floor it holds their parts for refused their
+        redo, which then ended, and ran its own alone after (bench attack, run NP4); one that
+        had all it needed of the try landed it while the others landed their redo, and came
+        out of sync (run FR3). Bounded so that one member cannot steer it: two others kept at
+        least (one other's word alone would pull it out of a try into a pair with that one),
+        so one of them at least is honest and ended the try over that member; and one member
+        left out only (two colluders could otherwise keep it in a group of three with them, out
+        of a larger one). The left-out member's own parts of the redo count for nothing."""
         senders = self._redo_senders.setdefault(redo_id, set())
         senders.add(sender)
         keep_latest(self._redo_senders, HEARD_KEPT)
@@ -515,7 +516,7 @@ class GuardedAverager(DecentralizedAverager):
             return  # (its runner not started yet: looked at again as the parts wait)
         runner = started.result()
         for peer_id in group.peer_ids:
-            if peer_id == self.peer_id or runner.heard_from(peer_id):
+            if peer_id == self.peer_id:
                 continue
             again = redo(group, {peer_id}, self.peer_id, self._quorum())
             if again is None or again.group_id != redo_id:

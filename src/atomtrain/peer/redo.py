@@ -34,9 +34,9 @@ named an honest member (bench attack, a seed's first round: an honest peer left 
 other member a redo of that group keeps has sent it parts of the redo, the try is lost there too
 (each of them ended it): that member ends it at once over the member the redo leaves out, and so
 runs the same redo (guarded.py, _follow_redo), rather than at its own timeouts, which came past
-that floor where it started the try later than the others by more. It takes their word only as
-far as stalling could steer it: for a redo that leaves out one member, whose parts of the try never
-reached it, and keeps two others at least. Otherwise a redo holds nothing new to trust: its
+that floor where it started the try later than the others by more. It takes their word only
+where one member cannot steer it: for a redo that leaves out one member and keeps two others at
+least (one of them, then, honest and out of the try). Otherwise a redo holds nothing new to trust: its
 metadata is what each member sealed for the round and is checked as any group's, and its
 all-reduce is the round's usual one, audited where the swarm audits.
 """
