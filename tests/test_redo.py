@@ -134,23 +134,31 @@ def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_ke
             avg._running_groups[again.group_id] = asyncio.get_running_loop().create_future()
             avg._running_groups[again.group_id].set_result(REDO_RUNNER)
 
-    async def held(group, quorum, redo_id, sent) -> tuple[list, list, float]:
-        """Parts (or asks: parts False) of `redo_id` from each of `sent` in turn, 0.1 s apart,
-        reach peer 1 as it still runs `group`: what each got, how the try ended, how long."""
+    FLOOR = 1.0  # how long a redo's parts are held (the start timeout's floor)
+
+    async def held(
+        group, quorum, redo_id, sent, apart=0.1, may_redo=True
+    ) -> tuple[list, list, float]:
+        """Parts (or asks: parts False) of `redo_id` from each of `sent` in turn, `apart` s
+        apart, reach peer 1 as it still runs `group`: what each got, how the try ended, how
+        long it took."""
         avg = GuardedAverager.__new__(GuardedAverager)
         avg._parent_pid = None  # (never started: hivemind's __del__ reads it)
         avg.dht = SimpleNamespace(peer_id=peer(1))
         avg._ran, avg._assembled, avg._missed, avg._gave_up_on = {}, set(), {}, {}
-        avg._asking, avg._matchmaking, avg._start_timeout_s = 0, None, 0.5
-        avg._running, avg._running_sealed, avg._redo_senders = group.group_id, group, {}
-        avg._quorum = lambda: quorum
+        avg._asking, avg._matchmaking, avg._start_timeout_s = 0, None, FLOOR
+        avg._running, avg._running_sealed, avg._redos_of = group.group_id, group, None
+        avg._redo_senders = {}
+        avg._quorum, avg._may_redo = (lambda: quorum), may_redo
         runner = Runner(avg, quorum)
         avg._running_groups = {group.group_id: asyncio.get_running_loop().create_future()}
         avg._running_groups[group.group_id].set_result(runner)
+        for fake in range(100):  # redo IDs of the left-out member's making crowd out nothing
+            avg._follow_redo(redo_id[:-2] + fake.to_bytes(2, "big"), peer(2))
         began, tasks = time.monotonic(), []
         for sender, parts in sent:
             tasks.append(asyncio.ensure_future(avg._group_runner(redo_id, sender, parts)))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(apart)
         got = await asyncio.gather(*tasks)
         return got, runner.ended, time.monotonic() - began
 
@@ -158,27 +166,33 @@ def test_a_member_still_in_the_lost_try_runs_the_redo_once_every_other_member_ke
     # the left-out member's parts first, then the two others kept: it follows at the last
     sent = [(peer(2), True), (peer(0), True), (peer(3), True)]
     got, ended, took = asyncio.run(held(GROUP, 3, again.group_id, sent))
-    assert got == [REDO_RUNNER] * 3 and took < 0.45  # (before the floor, 0.5 s)
+    assert got == [REDO_RUNNER] * 3 and took < FLOOR - 0.2
     assert len(ended) == 1 and ended[0][1] == {peer(2)}
     assert ended[0][0].endswith("ran the group again without " + str(peer(2))[-8:])
     # none of these end the try: their parts are refused at the floor, as before
-    for group, quorum, redo_id, sent in (
+    for group, quorum, redo_id, sent, apart, may_redo in (
         # peer 3 may still be in the try: nothing lost yet here
-        (GROUP, 3, again.group_id, [(peer(0), True), (peer(0), True)]),
+        (GROUP, 3, again.group_id, [(peer(0), True), (peer(0), True)], 0.1, True),
         # asks for this member's span, not parts
-        (GROUP, 3, again.group_id, [(peer(0), False), (peer(3), False)]),
+        (GROUP, 3, again.group_id, [(peer(0), False), (peer(3), False)], 0.1, True),
+        # peer 0's parts held past the floor, refused (its redo has ended over this member)
+        (GROUP, 3, again.group_id, [(peer(0), True), (peer(3), True)], FLOOR + 0.3, True),
+        # a round prepared for a slot, which runs no redo
+        (GROUP, 3, again.group_id, [(peer(0), True), (peer(3), True)], 0.1, False),
         # two members left out (two colluders would keep it in a group of three with them)
         (
             GROUP5,
             3,
             redo(GROUP5, {peer(3), peer(4)}, peer(0), 3).group_id,
             [(peer(0), True), (peer(2), True)],
+            0.1,
+            True,
         ),
         # a pair: one other member's word alone
-        (GROUP3, 2, redo(GROUP3, {peer(2)}, peer(0), 2).group_id, [(peer(0), True)]),
+        (GROUP3, 2, redo(GROUP3, {peer(2)}, peer(0), 2).group_id, [(peer(0), True)], 0.1, True),
     ):
-        got, ended, took = asyncio.run(held(group, quorum, redo_id, sent))
-        assert got == [None] * len(sent) and ended == [] and took >= 0.5
+        got, ended, took = asyncio.run(held(group, quorum, redo_id, sent, apart, may_redo))
+        assert got == [None] * len(sent) and ended == [] and took >= FLOOR
 
 
 def test_a_leader_that_names_its_group_as_a_redo_is_refused_and_rejected():
@@ -228,22 +242,27 @@ def test_an_ask_that_came_before_its_member_ran_the_group_is_answered_not_in_it(
     from types import SimpleNamespace
 
     from hivemind.proto import averaging_pb2
+    from hivemind.proto.runtime_pb2 import Tensor
 
     from atomtrain.peer.guarded import GuardedAverager
     from atomtrain.peer.traffic import Traffic
 
     delivered: list[int] = []
+    held_as: list[bool] = []  # what each request was to _group_runner: parts (True), or not
 
     class Runner:
         over = False
+        sender_peer_ids = ()  # (peer 5 sends this group nothing: no first part measured)
 
         async def rpc_aggregate_part(self, stream, context):
             async for _ in stream:
                 delivered.append(1)
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
 
+    allowed = [True]
+
     async def allows(dht, peer_id):
-        return True
+        return allowed[0]
 
     def member(running: bool) -> GuardedAverager:
         avg = GuardedAverager.__new__(GuardedAverager)
@@ -255,19 +274,32 @@ def test_an_ask_that_came_before_its_member_ran_the_group_is_answered_not_in_it(
         avg._running_groups = {b"g" * 20: None} if running else {}
 
         async def group_runner(group_id, sender=None, parts=False):
+            held_as.append(parts)
             return Runner()  # (it runs the group by now)
 
         avg._group_runner = group_runner
         return avg
 
-    async def answer(running: bool, message) -> int:
+    async def answer(running: bool, message, defence=None) -> int:
         async def stream():
             yield message
 
         context = SimpleNamespace(remote_id=peer(5))
-        replies = member(running).rpc_aggregate_part(stream(), context)
+        avg = member(running)
+        avg._defence = defence
+        replies = avg.rpc_aggregate_part(stream(), context)
         return (await anext(replies)).code
 
     ask = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g" * 20)
     assert asyncio.run(answer(False, ask)) == averaging_pb2.BAD_GROUP_ID and not delivered
     assert asyncio.run(answer(True, ask)) == averaging_pb2.AVERAGED_PART and delivered
+    # parts, and only parts its gate let in, are parts to _group_runner (a redo's may end the
+    # try this member still runs: guarded._follow_redo), not asks
+    part = averaging_pb2.AveragingData(
+        code=averaging_pb2.PART_FOR_AVERAGING, group_id=b"g" * 20, tensor_part=Tensor()
+    )
+    assert asyncio.run(answer(True, part)) == averaging_pb2.AVERAGED_PART
+    allowed[0] = False  # (a member this one banned, in an audited swarm: let on to the runner)
+    defended = SimpleNamespace(audit=True)
+    asyncio.run(answer(True, part, defended))
+    assert held_as == [False, False, True, False]

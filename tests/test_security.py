@@ -1288,7 +1288,7 @@ def handlers_alone() -> GuardedAverager:
     avg._gate, avg._traffic, avg.dht, avg._parent_pid = Gate(), Traffic(), None, -1
     avg._defence = None
     avg._heard, avg._opened, avg._ran, avg._admitted, avg._first_parts = {}, {}, {}, {}, {}
-    avg._streams = {}
+    avg._streams, avg._redo_senders = {}, {}
     avg.allreduce_kwargs = {}
     avg._gave_up_on, avg._missed, avg._assembled, avg._requests = {}, {}, set(), 0
     avg._left_out = LeftOut(lambda peer_id, why, kind: None, lambda peer_id: False)

@@ -179,8 +179,13 @@ class GuardedAverager(DecentralizedAverager):
         self._group_ended = 0.0  # when this member's last group ended (monotonic seconds)
         self._ran: dict[bytes, Ran] = {}  # groups this member ran, the latest HEARD_KEPT
         self._running: bytes | None = None  # the group this member runs now (its ID)
-        self._running_sealed: Any = None  # that group as it formed (redo.py reads it)
-        self._redo_senders: dict[bytes, set[PeerID]] = {}  # redo ID -> who sent parts of it
+        self._running_sealed: Any = None  # that group as it formed (_follow_redo reads it)
+        self._may_redo = True  # this round runs redos (not one prepared for a slot)
+        # the group whose redos _follow_redo notes, each that leaves out one member (redo ID ->
+        # that member), and the members whose parts of each this member holds now
+        self._redos_of: bytes | None = None
+        self._redo_leaves: dict[bytes, PeerID] = {}
+        self._redo_senders: dict[bytes, set[PeerID]] = {}
         self._ended_over: set[PeerID] = set()  # whom its last try ended early over (exact.py)
         self._redo: Any = None  # the group to run at once in this round's next try (redo.py)
         self._forgers: asyncio.Future | None = None  # this round's read of them (forgers.py)
@@ -456,36 +461,40 @@ class GuardedAverager(DecentralizedAverager):
         redo (`parts`: parts its gate let in, not an ask) may end the try this member still runs
         (_follow_redo)."""
         began = time.monotonic()
-        while group_id not in self._running_groups:
-            if group_id in self._ran:  # over (its round ended early, say): not looking for it
-                return None
-            if is_redo(group_id) and group_id not in self._assembled:
-                # a redo of the group this member runs may be its own once that ends, for as
-                # long as its sender gives it to start (redo.py); any other it will not run
-                running = self._running is not None and redoes(group_id, self._running)
-                if not running or time.monotonic() - began > self._start_timeout_s:
+        try:
+            while group_id not in self._running_groups:
+                if group_id in self._ran:  # over (its round ended early, say): not looking for it
                     return None
-                if parts and sender is not None:
-                    self._follow_redo(group_id, sender)
+                if is_redo(group_id) and group_id not in self._assembled:
+                    # a redo of the group this member runs may be its own once that ends, for as
+                    # long as its sender gives it to start (redo.py); any other it will not run
+                    running = self._running is not None and redoes(group_id, self._running)
+                    if not running or time.monotonic() - began > self._start_timeout_s:
+                        return None
+                    if parts and sender is not None:
+                        self._follow_redo(group_id, sender)
+                    await asyncio.sleep(0.05)
+                    continue
+                matchmaking = getattr(self, "_matchmaking", None)
+                looking = matchmaking is not None and matchmaking.is_looking_for_group
+                asking = looking and self._asking
+                if group_id not in self._assembled:  # not (yet) one this member joined
+                    graced = asking and time.monotonic() < began + GRACE_S
+                    if group_id in self._missed or (sender in self._gave_up_on and not graced):
+                        if group_id not in self._missed:
+                            log.info(
+                                "refusing %s's group: a leader this member gave up on formed it",
+                                str(sender)[-8:],
+                            )
+                        self._missed[group_id] = None  # a given-up leader's: it will not come
+                        keep_latest(self._missed, HEARD_KEPT)
+                        return None
+                    if not asking:
+                        return None
                 await asyncio.sleep(0.05)
-                continue
-            matchmaking = getattr(self, "_matchmaking", None)
-            looking = matchmaking is not None and matchmaking.is_looking_for_group
-            asking = looking and self._asking
-            if group_id not in self._assembled:  # not (yet) one this member joined
-                graced = asking and time.monotonic() < began + GRACE_S
-                if group_id in self._missed or (sender in self._gave_up_on and not graced):
-                    if group_id not in self._missed:
-                        log.info(
-                            "refusing %s's group: a leader this member gave up on formed it",
-                            str(sender)[-8:],
-                        )
-                    self._missed[group_id] = None  # a given-up leader's: it will not come
-                    keep_latest(self._missed, HEARD_KEPT)
-                    return None
-                if not asking:
-                    return None
-            await asyncio.sleep(0.05)
+        finally:  # (its parts held no longer: it counts no more towards a follow)
+            if parts and sender is not None:
+                self._redo_senders.get(group_id, set()).discard(sender)
         started = self._running_groups[group_id]
         try:
             return await asyncio.shield(started)
@@ -496,38 +505,45 @@ class GuardedAverager(DecentralizedAverager):
 
     def _follow_redo(self, redo_id: bytes, sender: PeerID) -> None:
         """`sender` sent parts of a redo of the group this member still runs. Once every other
-        member kept by that redo has (a member joins a redo only once it ended the try: an
-        honest one, redo.py), and it leaves out one member only, this member ends its try now
-        over that one, so that its own redo is theirs, rather than holding their parts until
-        its own timeouts end the try. Members that started the try apart end it apart: one
-        later than the others by more than the floor it holds their parts for refused their
-        redo, which then ended, and ran its own alone after (bench attack, run NP4); one that
-        had all it needed of the try landed it while the others landed their redo, and came
-        out of sync (run FR3). Bounded so that one member cannot steer it: two others kept at
-        least (one other's word alone would pull it out of a try into a pair with that one),
-        so one of them at least is honest and ended the try over that member; and one member
-        left out only (two colluders could otherwise keep it in a group of three with them, out
-        of a larger one). The left-out member's own parts of the redo count for nothing."""
-        senders = self._redo_senders.setdefault(redo_id, set())
-        senders.add(sender)
-        keep_latest(self._redo_senders, HEARD_KEPT)
+        member kept by that redo has, and this member holds their parts (at most the floor,
+        _group_runner; a member joins a redo only once it ended the try: an honest one,
+        redo.py), and it leaves out one member only, this member ends its try now, while it
+        still runs, over that one, so that its own redo is theirs, rather than holding their
+        parts until its own timeouts end the try. Members that started the try apart end it
+        apart: one later than the others by more than that floor refused their redo, which then
+        ended, and ran its own alone after (bench attack, run NP4); one that had all it needed
+        of the try may land it while the others land their redo, and come out of sync (run
+        FR3, as its log reads). Bounded so
+        that one member cannot steer it: two others kept at least (one other's word alone
+        would pull it out of a try into a pair with that one), so one of them at least is
+        honest and ended the try over that member; one member left out only (two colluders
+        could otherwise keep it in a group of three with them, out of a larger one); only the
+        redos that leave out one member of this group, and their kept members' parts, are
+        noted (the left-out member's count for nothing, nor can it crowd theirs out with redo
+        IDs of its own making); not in a round prepared for a slot, which runs no redo."""
         group, started = self._running_sealed, self._running_groups.get(self._running or b"")
-        if group is None or started is None or not started.done() or started.cancelled():
-            return  # (its runner not started yet: looked at again as the parts wait)
-        runner = started.result()
-        for peer_id in group.peer_ids:
-            if peer_id == self.peer_id:
-                continue
-            again = redo(group, {peer_id}, self.peer_id, self._quorum())
-            if again is None or again.group_id != redo_id:
-                continue
-            kept = [p for p in again.peer_ids if p != self.peer_id]
-            if len(kept) >= 2 and senders.issuperset(kept):
-                names = ", ".join(str(p)[-8:] for p in kept)
-                runner.end_early(
-                    f"{names} ran the group again without {str(peer_id)[-8:]}", [peer_id]
-                )
+        if group is None or not self._may_redo:
             return
+        if self._redos_of != group.group_id:  # a new try: the redos that leave out one member
+            self._redos_of, self._redo_senders = group.group_id, {}
+            self._redo_leaves = {}
+            for peer_id in group.peer_ids:
+                again = redo(group, {peer_id}, self.peer_id, self._quorum())
+                if again is not None and len(again.peer_ids) >= 3:  # (two others kept at least)
+                    self._redo_leaves[again.group_id] = peer_id
+        left_out = self._redo_leaves.get(redo_id)
+        if left_out is None or sender in (left_out, self.peer_id) or sender not in group.peer_ids:
+            return
+        senders = self._redo_senders.setdefault(redo_id, set())
+        senders.add(sender)  # (until its parts are held no longer: _group_runner)
+        if started is None or not started.done() or started.cancelled():
+            return  # (its runner not started yet: looked at again as the parts wait)
+        kept = [p for p in group.peer_ids if p not in (left_out, self.peer_id)]
+        if senders.issuperset(kept):
+            names = ", ".join(str(p)[-8:] for p in kept)
+            started.result().end_early(
+                f"{names} ran the group again without {str(left_out)[-8:]}", [left_out]
+            )
 
     async def rpc_audit_parts(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -592,6 +608,7 @@ class GuardedAverager(DecentralizedAverager):
         self._assembled.clear()
         self._gave_up_on.clear()
         self._redo = None
+        self._may_redo = step.allow_retries  # (looked: a redo is a retry)
         self._round_at = step.scheduled_time
         self._expected = read_ids(self._expected_members)
         self._unfinished = read_ids(self._unfinished_members)

@@ -31,14 +31,16 @@ parts of any other redo it refuses at once. It holds them no longer than the sta
 (`peer.start_timeout_s`): its sender ends the redo over it by then, and asks it for its span. Held
 until a long try ended, that ask went unanswered past the asker's reducer timeout, and the asker
 named an honest member (bench attack, a seed's first round: an honest peer left out). Once every
-other member a redo of that group keeps has sent it parts of the redo, the try is lost there too
-(each of them ended it): that member ends it at once over the member the redo leaves out, and so
-runs the same redo (guarded.py, _follow_redo), rather than at its own timeouts, which came past
-that floor where it started the try later than the others by more. It takes their word only
-where one member cannot steer it: for a redo that leaves out one member and keeps two others at
-least (one of them, then, honest and out of the try). Otherwise a redo holds nothing new to trust: its
-metadata is what each member sealed for the round and is checked as any group's, and its
-all-reduce is the round's usual one, audited where the swarm audits.
+other member a redo of that group keeps has sent it parts of the redo within that floor, the try
+is lost there too (each honest one of them ended it): that member ends it at once, while it
+still runs, over the member the redo leaves out, and so runs the same redo (guarded.py,
+_follow_redo), rather than at its own timeouts, which came past that floor where it started the
+try later than the others by more. It takes their word only where one member cannot steer it:
+for a redo that leaves out one member and keeps two others at least (one of them, then, honest
+and out of the try), their parts only. A member whose try landed before their parts came cannot
+follow: it holds the try's average while they hold the redo's. Otherwise a redo holds nothing
+new to trust: its metadata is what each member sealed for the round and is checked as any
+group's, and its all-reduce is the round's usual one, audited where the swarm audits.
 """
 
 from __future__ import annotations
