@@ -513,14 +513,14 @@ class GuardedAverager(DecentralizedAverager):
         apart: one later than the others by more than that floor refused their redo, which then
         ended, and ran its own alone after (bench attack, run NP4); one that had all it needed
         of the try may land it while the others land their redo, and come out of sync (run
-        FR3, as its log reads). Bounded so
-        that one member cannot steer it: two others kept at least (one other's word alone
-        would pull it out of a try into a pair with that one), so one of them at least is
-        honest and ended the try over that member; one member left out only (two colluders
-        could otherwise keep it in a group of three with them, out of a larger one); only the
-        redos that leave out one member of this group, and their kept members' parts, are
-        noted (the left-out member's count for nothing, nor can it crowd theirs out with redo
-        IDs of its own making); not in a round prepared for a slot, which runs no redo."""
+        FR3, as its log reads). Bounded so that one member cannot steer it: two others kept at
+        least (one other's word alone would pull it out of a try into a pair with that one),
+        so one of them at least is honest and ended the try over that member; one member left
+        out only (two colluders could otherwise keep it in a group of three with them, out of
+        a larger one); only the redos that leave out one member of this group, and their kept
+        members' parts, are noted (the left-out member's count for nothing, nor can it crowd
+        theirs out with redo IDs of its own making); not in a round prepared for a slot, which
+        runs no redo."""
         group, started = self._running_sealed, self._running_groups.get(self._running or b"")
         if group is None or not self._may_redo:
             return
