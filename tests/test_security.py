@@ -6,6 +6,7 @@ import hashlib
 import math
 import os
 import queue
+import re
 import secrets
 import subprocess
 import sys
@@ -541,28 +542,47 @@ def test_a_stalled_try_is_run_again_at_once_by_its_group_without_the_staller(tmp
     with no matchmaking, and says so in its log; the round lands with the three of them, on
     their average. The staller is named and left out; no honest peer is named a staller (one
     late with an audit verdict on a loaded machine may be left out by a peer that discarded
-    that round for it: open in issue 12)."""
+    that round for it: open in issue 12).
+
+    Where the honest peers started the try further apart than the start timeout (5 s here: 3 s
+    apart each under a CPU burner, and once in CI, 2026-12-07), the first to start ended it over
+    the staller and another honest member, so their redos differ and the round is lost, as the
+    README says (issue 12: honest members starting a try apart): that round fails at every
+    honest peer, one round, and the two after land with the three of them."""
     outs = run_round(tmp_path, "stall", defend=True, honest=3)
     logs = [(tmp_path / "stall-defended" / f"log{i}.txt").read_text() for i in range(4)]
     want, with_staller = honest_mean(3), honest_mean(4)  # (the staller's update is vectors(3))
+    honest_ids = [re.search(r"^peer \d+ is (\S+)", logs[i], re.M).group(1)[-8:] for i in range(3)]
+    apart = any(  # an honest member ended a try over another, late to open its stream
+        "opened no stream" in line and any(h in line for h in honest_ids)
+        for log in logs[:3]
+        for line in log.splitlines()
+        if "a round ended early" in line
+    )
 
     def off(delta: torch.Tensor, mean: torch.Tensor) -> float:
         return float((delta - mean).norm() / mean.norm())
 
+    landed = [r for r in outs[0]["rounds"] if not r["failed"]]
+    assert landed, story(logs)
     for i, out in outs.items():
         told = f"peer {i}: {out['rounds']}\n{story(logs)}"
         redone = [line for line in logs[i].splitlines() if "trying the lost group again" in line]
         assert len(redone) == 1, told  # the stalled round's; one redo a group
         first = out["rounds"][0]
-        assert not first["failed"] and first["group"] == 3, told
-        assert first["attempts"] == 2, told  # the lost try, then its redo
+        if apart and first["failed"]:  # (above: one round lost, the rest land with the three)
+            assert all(not r["failed"] and r["group"] == 3 for r in out["rounds"][1:]), told
+            first = out["rounds"][1]
+        else:
+            assert not first["failed"] and first["group"] == 3, told
+            assert first["attempts"] == 2, told  # the lost try, then its redo
         # the three's parts clipped around their median (robust.py), not their plain mean: 3%
         # off it here; the staller's update would move it 60%
         assert off(first["delta"], want) < 0.1 and off(first["delta"], with_staller) > 0.3
         # the same bits as a round of the three without it, and on every honest peer
         later = [r for r in out["rounds"][1:] if not r["failed"] and r["group"] == 3]
         assert all(torch.equal(r["delta"], first["delta"]) for r in later)
-        assert torch.equal(first["delta"], outs[0]["rounds"][0]["delta"])
+        assert torch.equal(first["delta"], landed[0]["delta"])
         # an honest member named only for an audit verdict that came too late, and only by a
         # peer that then discarded that round: hivemind's timing on a loaded machine, open in
         # issue 12 (README, "no honest peer banned"; CI, 2026-12-06); never for stalling
