@@ -176,18 +176,24 @@ def test_the_attack_report_counts_the_rounds_that_averaged_the_attackers_update_
 
 def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():
     """The cosines in the honest peers' metrics (`agreement`): the attacker's apart from the
-    honest peers', and how many honest readings fell where the rule counts against a member."""
+    honest peers', and how many honest readings fell where the rule counts against a member;
+    the leans (a fourth field since session 51; None where not read): the honest ones'
+    absolute values, the attacker's as they are."""
     clean = [run([3.0, 3.0], None)]
     flipper = run([3.0, 3.0])
-    flipper.records[0][0]["agreement"] = [["h1", "id1", 0.5], ["a", "idA", -0.6]]
-    flipper.records[0][1]["agreement"] = [["h1", "id1", -0.35], ["a", "idA", -0.4]]
-    flipper.records[1][0]["agreement"] = [["h0", "id0", 0.7], ["a", "idA", 0.1]]
+    flipper.records[0][0]["agreement"] = [["h1", "id1", 0.5, -0.02], ["a", "idA", -0.6, -0.7]]
+    flipper.records[0][1]["agreement"] = [["h1", "id1", -0.35, None], ["a", "idA", -0.4]]
+    flipper.records[1][0]["agreement"] = [["h0", "id0", 0.7, 0.01], ["a", "idA", 0.1, -0.5]]
     report = attack_report(clean, {"sign_flip": {"defended": [flipper]}}, OPPOSED_COSINE)
     (seen,) = report["attacks"][0]["agreement_defended"]
     assert seen["attacker"] == {"n": 3, "min": -0.6, "median": -0.4, "max": 0.1}
     assert seen["honest"]["n"] == 3 and seen["honest"]["median"] == 0.5
     assert seen["honest_below"] == 1  # -0.35, below -0.3
-    assert report["clean_agreement"] == [{"honest": {"n": 0}, "honest_below": 0}]
+    assert seen["honest_lean"] == {"n": 2, "min": 0.01, "median": 0.015, "max": 0.02}
+    assert seen["attacker_lean"] == {"n": 2, "min": -0.7, "median": -0.6, "max": -0.5}
+    assert report["clean_agreement"] == [
+        {"honest": {"n": 0}, "honest_below": 0, "honest_lean": {"n": 0}}
+    ]
     assert report["opposed_cosine"] == OPPOSED_COSINE
 
 
@@ -290,3 +296,10 @@ def test_the_attack_report_replays_the_update_rules_on_the_logged_readings():
             ["c", "idC", 0.7], ["a", "idA", -0.6], ["c", "idC", 0.7], ["a", "idA", 0.2],
         ]  # fmt: skip
     assert follow_replay(opposed)["attacker_left_out_at_reading"] == [1, 1]
+    leaning = run([3.0, 3.0])  # ALIE: its cosine an honest member's, its lean far off
+    for log in leaning.records:
+        for i, r in enumerate(log[:3]):
+            r["round"] = i
+            r["agreement"] = [["c", "idC", 0.7, 0.01], ["a", "idA", 0.45, -0.7 if i else 0.0]]
+    assert follow_replay(leaning)["attacker_left_out_at_reading"] == [2, 2]
+    assert follow_replay(leaning)["honest_left_out_for_following"] == 0

@@ -53,6 +53,7 @@ from atomtrain.peer.exclusion import (
     FOLLOW_RATIO,
     FOLLOW_WITHIN,
     FORGIVE_ROUNDS,
+    LEAN,
     OPPOSED_COSINE,
     OPPOSED_EXCLUSION_ROUNDS,
     OPPOSED_SPAN_ROUNDS,
@@ -341,6 +342,21 @@ def test_a_directed_push_with_inflated_claims_moves_the_average_by_about_a_third
         shift = r["delta"] - honest
         assert float(shift @ direction) <= 0.75 * size, (float(shift @ direction) / size, r)
         assert float(shift.norm()) <= 1.0 * size, (float(shift.norm()) / size, r)
+
+
+def test_a_member_sending_a_little_is_enough_is_left_out_after_one_round_with_it(tmp_path: Path):
+    """ALIE (every coordinate moved one honest spread down, inside the honest range: its cosine
+    with an honest update reads like an honest member's) is left out by every honest peer, for
+    the way its update leans, after at most one landed round with it; no honest peer is named,
+    and the honest pair's last round lands without it."""
+    outs = run_round(tmp_path, "alie", defend=True)
+    for out in outs.values():
+        assert not out["rejected"], out["rejected"]  # left out for a while, not banned
+        assert [name for name, _ in out["stalled"]] == ["h2"], out["stalled"]
+        assert out["stalled"][0][1].startswith("sent an update that leans one way"), out["stalled"]
+        landed = [r for r in out["rounds"] if not r["failed"]]
+        assert sum(r["group"] == 3 for r in landed) <= 1, out["rounds"]
+        assert landed and landed[-1]["group"] == 2, out["rounds"]
 
 
 def caught_alone(tmp_path: Path, attack: str) -> tuple[list[tuple[str, str]], dict]:
@@ -1828,6 +1844,69 @@ def test_one_reading_far_below_leaves_a_member_out_at_once():
     assert len(named) == 4 and "f055" not in ledger._readings
     round_(broken=float("nan"))
     assert [p for p, _ in named[4:]] == ["broken"]
+
+
+def test_the_reducer_measures_how_far_each_members_update_leans_one_way_from_its_own():
+    """Over the update parts of its span, each other member's part less the reducer's own,
+    summed over its absolute sum: an honest member's differs by noise, up as often as down
+    (about 0); "a little is enough" moves every coordinate down (far below 0), a member that
+    moves every coordinate up far above; a flipped update leans no more than the reducer's own
+    does; a part equal to the reducer's own is not read."""
+    from atomtrain.peer.attack import poison
+    from atomtrain.peer.robust import RobustReducer
+
+    g = torch.Generator().manual_seed(3)
+    own = torch.randn(2, 4000, generator=g)
+    others = own + 0.5 * torch.randn(2, 4000, generator=g)
+
+    async def measure() -> dict[int, float]:
+        reducer = RobustReducer(
+            [torch.Size([4000])] * 2, ["delta", "delta"], [1.0] * 6, 0, Defence(reject=1e9),
+            [False] * 6, lambda i, why: None,
+        )  # fmt: skip
+        for part in range(2):
+            x, other = own[part], others[part]
+            reducer.current_part_index = part
+            reducer.parts = {
+                0: x, 1: other, 2: poison("alie", other), 3: other + other.abs(), 4: -x,
+                5: x.clone(),
+            }  # fmt: skip
+            reducer._combine()
+        return reducer.leans()
+
+    lean = asyncio.run(measure())
+    assert set(lean) == {1, 2, 3, 4}  # 5 sent the reducer's own part: nothing to lean
+    assert abs(lean[1]) < 0.05 and abs(lean[4]) < 0.05
+    assert lean[2] < -0.5 and lean[3] > 0.5 and LEAN < 0.5
+
+
+def test_one_reading_of_an_update_leaning_one_way_leaves_a_member_out_at_once():
+    """A single reading whose difference from this peer's update leans one way by LEAN or
+    more, either way, leaves the member out for OPPOSED_EXCLUSION_ROUNDS, named with its lean
+    (cosine 0.45: no other rule would); honest leans (0.022 at most, measured), a lean under
+    LEAN and a reading with no lean do not; the lean goes on with the cosine to the training
+    process (metrics' `agreement`)."""
+    named: list[tuple[str, str]] = []
+    told: list[tuple[str, str]] = []
+
+    def tell(peer: str, why: str, kind: str) -> None:
+        (named if kind == "stall" else told).append((peer, why))
+
+    ledger = LeftOut(tell, lambda peer: False)
+    for _ in range(4):
+        ledger.next_round()
+        ledger.readings({"a": 0.6, "b": 0.7}, {"a": 0.022, "b": -0.022})
+        ledger.readings({"under": 0.6, "unread": 0.6}, {"under": LEAN - 0.01})
+    assert not named and ("unread", "0.6 nan") in told and ("a", "0.6 0.022") in told
+    ledger.next_round()
+    ledger.readings({"alie": 0.45, "up": 0.45, "a": 0.6}, {"alie": -0.7, "up": LEAN, "a": 0.01})
+    assert named == [
+        ("alie", "sent an update that leans one way from this peer's (the difference sums to "
+                 "-0.70 of its absolute sum)"),
+        ("up", "sent an update that leans one way from this peer's (the difference sums to "
+               "+0.25 of its absolute sum)"),
+    ]  # fmt: skip
+    assert ledger.rounds_left("alie") == OPPOSED_EXCLUSION_ROUNDS
 
 
 def test_a_member_whose_update_follows_ours_little_is_left_out_as_the_round_ends():

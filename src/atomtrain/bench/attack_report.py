@@ -172,22 +172,35 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
                 "max": ordered[-1]}  # fmt: skip
 
     readings = [
-        (who, c) for log in run.records for r in log for who, _, c, *_ in r.get("agreement", ())
+        (who, c, _lean(rest))
+        for log in run.records
+        for r in log
+        for who, _, c, *rest in r.get("agreement", ())
     ]
-    honest = [c for who, c in readings if who in run.honest]
+    honest = [c for who, c, _ in readings if who in run.honest]
     out = {"honest": summary(honest), "honest_below": sum(1 for c in honest if c < threshold)}
+    # how far each difference from the reader's update leans one way (exclusion.LEAN)
+    honest_leans = [abs(x) for who, _, x in readings if who in run.honest and x is not None]
+    out["honest_lean"] = summary(honest_leans)
     if run.attacker is not None:
-        out["attacker"] = summary([c for who, c in readings if who == run.attacker])
+        out["attacker"] = summary([c for who, c, _ in readings if who == run.attacker])
+        leans = [x for who, _, x in readings if who == run.attacker and x is not None]
+        out["attacker_lean"] = summary(leans)
     if run.sybils:  # the member's other identities
-        out["sybils"] = summary([c for who, c in readings if who in run.sybils])
+        out["sybils"] = summary([c for who, c, _ in readings if who in run.sybils])
     return out
 
 
+def _lean(rest: list[Any]) -> float | None:
+    """A reading's lean (metrics' fourth field, since session 51; None where not read)."""
+    return float(rest[0]) if rest and rest[0] is not None else None
+
+
 def follow_replay(run: SwarmRun) -> dict[str, Any]:
-    """The update rules (exclusion.LeftOut: opposing, following) replayed on each honest peer's
-    readings as its metrics kept them: how many honest (reader, member) pairs the replay leaves
-    out for not following (`honest_left_out_for_following`), and at which of each honest peer's
-    logged readings of the attacker it leaves it out by either rule
+    """The update rules (exclusion.LeftOut: opposing, leaning, following) replayed on each
+    honest peer's readings as its metrics kept them: how many honest (reader, member) pairs the
+    replay leaves out for not following (`honest_left_out_for_following`), and at which of each
+    honest peer's logged readings of the attacker it leaves it out by any rule
     (`attacker_left_out_at_reading`; null: never). Approximate: the metrics keep no try or
     round-begun count, so a record's readings are taken as one try (a member read twice in one
     record starts another), a round as the records of one applied-round count (a failed
@@ -205,16 +218,18 @@ def follow_replay(run: SwarmRun) -> dict[str, Any]:
     }
 
 
-def _tries(log: list[dict]) -> list[tuple[int, dict[str, float]]]:
-    """(applied-round count, {member: cosine}) per try, as far as the records tell them apart."""
-    tries: list[tuple[int, dict[str, float]]] = []
+def _tries(log: list[dict]) -> list[tuple[int, dict[str, tuple[float, float]]]]:
+    """(applied-round count, {member: (cosine, lean)}) per try, as far as the records tell them
+    apart (lean NaN where not read)."""
+    tries: list[tuple[int, dict[str, tuple[float, float]]]] = []
     for r in log:
-        row: dict[str, float] = {}
-        for who, _, cosine, *_ in r.get("agreement", ()):
+        row: dict[str, tuple[float, float]] = {}
+        for who, _, cosine, *rest in r.get("agreement", ()):
             if who in row:  # read twice in one record: another try
                 tries.append((int(r.get("round", 0)), row))
                 row = {}
-            row[who] = float(cosine)
+            lean = _lean(rest)
+            row[who] = (float(cosine), math.nan if lean is None else lean)
         if row:
             tries.append((int(r.get("round", 0)), row))
     return tries
@@ -238,7 +253,7 @@ def _replayed(log: list[dict], attacker: str | None) -> tuple[dict[str, str], in
         if at is None and attacker in named:
             at = readings
         readings += attacker in row
-        ledger.readings(row)
+        ledger.readings({w: c for w, (c, _) in row.items()}, {w: x for w, (_, x) in row.items()})
     return named, at
 
 
@@ -315,10 +330,13 @@ def attack_report(
             "its whole wall time over that median (n, median, max; a stall should cost at most "
             "one round); agreement, per seed: the cosines the honest peers' reducers read of the "
             "attacker's update and of each other's against their own (n, min, median, max), "
-            "and how many honest readings fell below opposed_cosine; follow_replay, per seed: "
+            "and how many honest readings fell below opposed_cosine; honest_lean: how far "
+            "the honest readings' differences from the reader's update leaned one way (its "
+            "absolute value; exclusion.LEAN leaves a member out), attacker_lean: the "
+            "attacker's (signed); follow_replay, per seed: "
             "the update rules replayed, approximately, on the honest peers' logged readings (a "
             "record's as one try, a round as one applied-round count): honest (reader, member) "
             "pairs the follow rule would leave out, and at which of each honest peer's logged "
-            "readings of the attacker either rule would leave it out (null: never)"
+            "readings of the attacker any rule would leave it out (null: never)"
         ),
     }

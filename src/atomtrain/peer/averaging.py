@@ -380,8 +380,10 @@ class ProbedAverager:
             if kind == "name":  # from metadata its member signed (any, in open swarms)
                 self.names[peer_id] = why
                 continue
-            if kind == "agreement":
-                self._agreements.append((self.names.get(peer_id) or peer_id, peer_id, float(why)))
+            if kind == "agreement":  # "cosine lean" (exclusion.LeftOut.reading)
+                cosine, lean = (float(x) for x in why.split())
+                name = self.names.get(peer_id) or peer_id
+                self._agreements.append((name, peer_id, cosine, lean))
                 continue
             (self.left_out_ids if kind == "stall" else self.rejected_ids).add(peer_id)
             named = (self.names.get(peer_id) or peer_id, why)
@@ -393,11 +395,12 @@ class ProbedAverager:
         out, self._stalls = self._stalls, []
         return out
 
-    def agreements(self) -> list[tuple[str, str, float]]:
-        """(name, peer ID, cosine) for each reading, since the last call, of how a member's
-        update agreed with this peer's own over the span this peer reduced (read after
-        rejections()): what the opposing-update rule (OPPOSED_COSINE) judges, for a user to
-        check it on their data."""
+    def agreements(self) -> list[tuple[str, str, float, float]]:
+        """(name, peer ID, cosine, lean) for each reading, since the last call, of how a
+        member's update agreed with this peer's own over the span this peer reduced, and how
+        far their difference leans one way (NaN: not read; read after rejections()): what the
+        update rules (exclusion.py: OPPOSED_COSINE, LEAN) judge, for a user to check them on
+        their data."""
         out, self._agreements = self._agreements, []
         return out
 

@@ -6,8 +6,9 @@ times the others', can look like a staller. A member is left out `STALL_ROUNDS` 
 time, twice as many at each repeat, one repeat forgiven every `FORGIVE_ROUNDS` quiet rounds; one
 whose update opposed this peer's own in `OPPOSED_ROUNDS` of this peer's last `OPPOSED_WITHIN`
 readings of it (`OPPOSED_COSINE`, within `OPPOSED_SPAN_ROUNDS`), or in one reading far below
-(`STRONGLY_OPPOSED_COSINE`), or whose update followed this peer's little, far less than another
-member's did (`FOLLOW_RATIO`, `FOLLOW_COSINE`, over `FOLLOW_WITHIN` rounds), is left out
+(`STRONGLY_OPPOSED_COSINE`), or whose update, less this peer's, leans one way in one reading
+(`LEAN`: "a little is enough"), or whose update followed this peer's little, far less than
+another member's did (`FOLLOW_RATIO`, `FOLLOW_COSINE`, over `FOLLOW_WITHIN` rounds), is left out
 `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's. The
 averager (guarded.py) keeps the counts in a `LeftOut`, and feeds it no readings in a round
 where this peer brings its weight average rather than an update (its last, with train.ema:
@@ -71,6 +72,18 @@ update merely follows no one's reaches it too: the label flipper (trained on poi
 median -0.03) read -0.53 once in 88 readings (docs/bench-attack-rerun-a4f65b9.json, seed 1).
 Untested, as for OPPOSED_COSINE: members training on different data, larger swarms, the 4-bit
 codec."""
+LEAN = 0.25
+"""One reading of a member's update that, less this peer's own, leans one way by this much (its
+sum over its absolute sum, robust.RobustReducer.leans, either sign) leaves it out by itself.
+Two honest updates differ by noise, about as often up as down: within 0.022 of 0 in 36
+readings of 3 honest members, one of them training 15 steps a round and two 25, from a fresh
+start over 6 rounds (`scripts/measure_lean.py`: bench attack's model, data and learning rate).
+"A little is enough" (ALIE, Baruch et al. 2019) moves every coordinate z spreads the same way,
+inside the honest range, so its cosine with an honest update (0.28-0.50 there, honest pairs
+0.55-0.74) names it by no other rule at once; it leaned -0.64 to -0.83.
+Untested: members training on different data, the 4-bit codec, larger models. An ALIE that
+moved each coordinate up or down at random would not lean, and would be noise the clipping
+bounds rather than one push."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
@@ -191,14 +204,16 @@ class LeftOut:
         self._stalls[peer_id] = (times, self.rounds, rounds)
         self._left[peer_id] = 1 + rounds
 
-    def readings(self, cosines: dict[Any, float]) -> None:
+    def readings(self, cosines: dict[Any, float], leans: dict[Any, float] | None = None) -> None:
         """One try's readings of its members' updates against this peer's own (robust.
-        RobustRunner: the cosine over the span this peer reduces, per member): each counted by
-        `reading`, and kept for `_judge_follows` with its ratio to the closest other member's,
-        where that one reaches FOLLOW_FLOOR. The tries of one round are one reading, the best
-        of them (judged once the round is over: a later try in better company still counts)."""
+        RobustRunner: the cosine over the span this peer reduces, and how far the difference
+        leans one way, per member): each counted by `reading`, and kept for `_judge_follows`
+        with its ratio to the closest other member's, where that one reaches FOLLOW_FLOOR. The
+        tries of one round are one reading, the best of them (judged once the round is over: a
+        later try in better company still counts)."""
+        leans = leans or {}
         for peer_id, cosine in cosines.items():
-            self.reading(peer_id, cosine)
+            self.reading(peer_id, cosine, leans.get(peer_id, math.nan))
         if not self._follow > 0:
             return
         for peer_id, cosine in cosines.items():
@@ -235,12 +250,13 @@ class LeftOut:
                 )
                 self._left_out_for_its_updates(peer_id, why)
 
-    def reading(self, peer_id: Any, cosine: float) -> None:
+    def reading(self, peer_id: Any, cosine: float, lean: float = math.nan) -> None:
         """A member whose update opposed this peer's (robust.RobustRunner measures it in the
         span this peer reduces) in OPPOSED_ROUNDS of this peer's last OPPOSED_WITHIN readings of
         it, within its last OPPOSED_SPAN_ROUNDS rounds, is left out of the next
         OPPOSED_EXCLUSION_ROUNDS rounds (doubled for each exclusion it is still remembered for),
-        as one that stalled is for fewer; so is one read below STRONGLY_OPPOSED_COSINE once.
+        as one that stalled is for fewer; so is one read below STRONGLY_OPPOSED_COSINE once,
+        or whose update, less this peer's, leans one way by LEAN (`lean`; NaN: not read).
         Its part only counts, clipped, for as much as an honest one, but round after round it
         pulls the average back (a sign flip, IPM). An
         agreeing reading between does not clear the count (an attacker flipping every other
@@ -251,7 +267,7 @@ class LeftOut:
         agreeing tries push no opposed reading out. Left out for opposing, a member is counted
         afresh once let back in; left out for a stall, it keeps its readings (one holding an
         opposed reading could otherwise stall a round to start afresh)."""
-        self._tell(peer_id, repr(float(cosine)), "agreement")
+        self._tell(peer_id, f"{float(cosine)!r} {float(lean)!r}", "agreement")
         if peer_id in self._left or self._banned(peer_id):
             return
         opposed_now = not cosine >= OPPOSED_COSINE  # (NaN: opposed)
@@ -262,6 +278,11 @@ class LeftOut:
         opposed = [r for r, o in readings if o and r > self.rounds - OPPOSED_SPAN_ROUNDS]
         if not cosine >= STRONGLY_OPPOSED_COSINE:
             why = f"sent an update opposite to this peer's (cosine {float(cosine):.3f})"
+        elif abs(lean) >= LEAN:
+            why = (
+                f"sent an update that leans one way from this peer's (the difference sums to "
+                f"{float(lean):+.2f} of its absolute sum)"
+            )
         elif len(opposed) >= OPPOSED_ROUNDS:
             why = (
                 f"sent updates opposite to this peer's in {len(opposed)} of its last "

@@ -5,6 +5,7 @@ out for a while, or read as opposing its update."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,7 @@ def note_rejections(peer: PeerRuntime, record: dict[str, Any]) -> None:
         other = named.get(other, other)
         log.warning("left %s out of rounds for a while: it %s", other, why)
         record.setdefault("stalled_peers", []).append(other)
-    for name, peer_id, cosine in averager.agreements():  # the opposing-update rule's
-        log.debug("%s's update against this peer's: cosine %.3f", name, cosine)
-        record.setdefault("agreement", []).append([name, peer_id, round(cosine, 4)])
+    for name, peer_id, cosine, lean in averager.agreements():  # the update rules' readings
+        log.debug("%s's update against this peer's: cosine %.3f, lean %.3f", name, cosine, lean)
+        lean_kept = round(lean, 4) if math.isfinite(lean) else None
+        record.setdefault("agreement", []).append([name, peer_id, round(cosine, 4), lean_kept])

@@ -35,8 +35,11 @@ Each reducer also measures, over the update parts of its span, how each other me
 agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member whose update points
 against this one's round after round, or far against it once, is left out for a while
 (exclusion.py, OPPOSED_COSINE, STRONGLY_OPPOSED_COSINE), though clipping already bounds what it
-moves each round; so is one whose update follows this one's little, far less than another
-member's does (`peer.follow_ratio`: a member training on poisoned data). A member that brings
+moves each round; so is one whose update, less this one's, leans one way (the difference's sum
+over its absolute sum, `leans`, exclusion.LEAN: "a little is enough" moves every coordinate the
+same way, where honest updates differ by noise), and one whose update follows this one's
+little, far less than another member's does (`peer.follow_ratio`: a member training on
+poisoned data). A member that brings
 its weight average to its last round reads no one (guarded.reads_members: no `on_agreement`).
 
 A reducer can lie too: every member checks the averaged parts it receives (bounds.py). With three or
@@ -120,7 +123,8 @@ class RobustReducer(TensorPartReducer):
         self.on_combined: Callable[[int, list[int]], None] | None = None
         # a sender whose part is only far too large: left out for a while, not banned
         self.on_doubt: Callable[[int, str], None] = on_reject
-        # per sender, over this round's update parts: (its part . ours, |its part|^2, |ours|^2)
+        # per sender, over this round's update parts: (its part . ours, |its part|^2, |ours|^2,
+        # sum(its part - ours), sum|its part - ours|)
         self.agreement: dict[int, list[float]] = {}
         super().__init__(part_shapes, len(weights))
 
@@ -238,18 +242,30 @@ class RobustReducer(TensorPartReducer):
         stacked = torch.stack([parts[i].flatten() for i in senders]).double()
         dots = (stacked @ stacked[own]).tolist()
         squares = stacked.pow(2).sum(dim=1).tolist()
+        apart = stacked - stacked[own]
+        leaning = zip(apart.sum(dim=1).tolist(), apart.abs().sum(dim=1).tolist(), strict=True)
         own2 = squares[own]
-        for i, dot, square in zip(senders, dots, squares, strict=True):
+        for i, dot, square, (lean, size) in zip(senders, dots, squares, leaning, strict=True):
             if i != self.own_sender:
-                sums = self.agreement.setdefault(i, [0.0, 0.0, 0.0])
+                sums = self.agreement.setdefault(i, [0.0] * 5)
                 sums[0] += dot
                 sums[1] += square
                 sums[2] += own2
+                sums[3] += lean
+                sums[4] += size
 
     def cosines(self) -> dict[int, float]:
         """Per sender, the cosine of its update parts of this span with this reducer's own."""
         sums = self.agreement.items()
-        return {i: dot / math.sqrt(a * b) for i, (dot, a, b) in sums if a > 0 and b > 0}
+        return {i: dot / math.sqrt(a * b) for i, (dot, a, b, *_) in sums if a > 0 and b > 0}
+
+    def leans(self) -> dict[int, float]:
+        """Per sender, how far its update parts of this span, less this reducer's own, lean one
+        way: their sum over their absolute sum, in [-1, 1]. Two honest updates differ by noise
+        about as often up as down (within 0.03 of 0, measured); "a little is enough" moves
+        every coordinate the same way (attack.ALIE_Z: -0.64 to -0.83, exclusion.LEAN)."""
+        sums = self.agreement.items()
+        return {i: lean / size for i, (*_, lean, size) in sums if size > 0}
 
     def _radius(self, parts: dict[int, torch.Tensor], numel: int) -> tuple[float, torch.Tensor]:
         """(clipping radius, center) measured from the parts."""
@@ -307,7 +323,7 @@ class RobustRunner(ExactAverageRunner):
         defence: Defence,
         on_reject: Callable[[PeerID, str], None],
         on_doubt: Callable[[PeerID, str], None] | None = None,
-        on_agreement: Callable[[dict[PeerID, float]], None] | None = None,
+        on_agreement: Callable[[dict[PeerID, float], dict[PeerID, float]], None] | None = None,
         lie: float = 0.0,
         **kwargs,
     ) -> None:
@@ -372,8 +388,10 @@ class RobustRunner(ExactAverageRunner):
         (on_agreement)."""
         if self._on_agreement is not None and not self._future.done() and not kwargs:
             senders = self.sender_peer_ids
-            cosines = self.tensor_part_reducer.cosines().items()
-            self._on_agreement({senders[i]: cosine for i, cosine in cosines})
+            reducer = self.tensor_part_reducer
+            cosines = {senders[i]: cosine for i, cosine in reducer.cosines().items()}
+            leans = {senders[i]: lean for i, lean in reducer.leans().items()}
+            self._on_agreement(cosines, leans)
         super().finalize(**kwargs)
 
     def replay_reducer(self, peer_index: int) -> RobustReducer:
