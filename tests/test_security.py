@@ -51,11 +51,14 @@ from atomtrain.peer.exclusion import (
     FOLLOW_COSINE,
     FOLLOW_FLOOR,
     FOLLOW_RATIO,
+    FOLLOW_WHY,
     FOLLOW_WITHIN,
     FORGIVE_ROUNDS,
     LEAN,
+    ON_PROBATION_READINGS,
     OPPOSED_COSINE,
     OPPOSED_EXCLUSION_ROUNDS,
+    OPPOSED_ROUNDS,
     OPPOSED_SPAN_ROUNDS,
     OPPOSED_WITHIN,
     STALL_ROUNDS,
@@ -1989,6 +1992,50 @@ def test_a_member_whose_update_follows_ours_little_is_left_out_as_the_round_ends
         off.next_round()
         off.readings({"flipper": 0.0, "a": 0.7, "b": 0.7})
     assert "flipper" not in off
+
+
+def test_a_member_let_back_in_after_it_was_left_out_for_its_updates_is_on_probation():
+    """ON_PROBATION_READINGS: once let back in, a member left out for not following is left out
+    again on its first reading under the follow bars, for twice as long, and one left out for
+    opposing on one opposed reading (two were needed before); one whose first round back
+    passes is judged on FOLLOW_WITHIN readings again; one read in its round back only in tries
+    where no other member reaches FOLLOW_FLOOR is still on probation in its next."""
+    named: list[tuple[str, str]] = []
+    ledger = LeftOut(
+        lambda peer, why, kind: kind == "stall" and named.append((peer, why)), lambda peer: False
+    )
+
+    def round_(*tries: dict[str, float]) -> None:
+        ledger.next_round()
+        for cosines in tries:
+            ledger.readings(cosines)
+
+    suspects = ("lf", "passes", "floor", "opp")
+    for _ in range(FOLLOW_WITHIN):
+        round_({"lf": 0.02, "passes": 0.03, "floor": 0.01, "opp": -0.35, "h": 0.6})
+    round_()
+    assert sorted(peer for peer, _ in named) == sorted(suspects)
+    assert min(FOLLOW_WITHIN, OPPOSED_ROUNDS) > ON_PROBATION_READINGS
+    named.clear()
+    while any(peer in ledger for peer in suspects):
+        round_()
+    round_({"lf": 0.02, "passes": 0.6, "opp": -0.35, "h": 0.6}, {"floor": 0.02, "x": 0.1})
+    assert named == [
+        ("opp", "sent an update opposite to this peer's in its first round since it was let "
+                "back in (cosine -0.350)"),
+    ]  # fmt: skip
+    round_({"passes": 0.02, "h": 0.6}, {"floor": 0.02, "h": 0.6})
+    assert named[1] == (
+        "lf", f"{FOLLOW_WHY} (cosine 0.02, 0.03 of the closest member's, in its first round "
+        "since it was let back in)",
+    )  # fmt: skip
+    assert ledger.rounds_left("lf") == 2 * OPPOSED_EXCLUSION_ROUNDS - 1  # (this round is one)
+    round_()
+    assert [peer for peer, _ in named[2:]] == ["floor"]  # and "passes" is not, at one reading
+    for _ in range(FOLLOW_WITHIN - 1):
+        round_({"passes": 0.02, "h": 0.6})
+    round_()
+    assert [peer for peer, _ in named[3:]] == ["passes"]
 
 
 def test_an_audit_replays_a_reduction_to_the_bit_and_its_projections_catch_a_small_lie():

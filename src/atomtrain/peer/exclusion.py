@@ -84,6 +84,14 @@ inside the honest range, so its cosine with an honest update (0.28-0.50 there, h
 Untested: members training on different data, the 4-bit codec, larger models. An ALIE that
 moved each coordinate up or down at random would not lean, and would be noise the clipping
 bounds rather than one push."""
+ON_PROBATION_READINGS = 1
+"""A member let back in after it was left out for its updates is judged, in its first round back,
+on this many readings by the rules that otherwise need several (OPPOSED_ROUNDS, FOLLOW_WITHIN):
+one more reading that fails them leaves it out again, for twice as long; one that passes ends
+the probation. Counted afresh with FOLLOW_WITHIN readings, the label flipper let back in 16
+rounds on was averaged in 3 more rounds before every honest peer left it out again (run F1,
+seed 0, rounds 20-23). An honest member wrongly left out (none was, by these rules, in the runs
+kept) risks as much as one reading under the bars, once."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
@@ -166,6 +174,8 @@ class LeftOut:
         # peer -> this peer's latest readings of how closely it followed: (at round, ratio to
         # the closest other member's cosine, cosine)
         self._follows: dict[Any, deque[tuple[int, float, float]]] = {}
+        # members left out for their updates, not yet judged since let back in
+        self._probation: set[Any] = set()
 
     def __contains__(self, peer_id: Any) -> bool:
         return peer_id in self._left
@@ -179,6 +189,11 @@ class LeftOut:
         leave each member out of; readings too old to count, and stalls all forgiven, let go (a
         member gone or banned is not kept)."""
         self._judge_follows()
+        # judged in a round back by every rule, and passed (the follow rule only judges a
+        # reading where another member reaches FOLLOW_FLOOR)
+        judged = self._follows if self._follow > 0 else self._readings
+        passed = {p for p, r in judged.items() if r[-1][0] == self.rounds} - self._left.keys()
+        self._probation -= passed
         self._left = {p: n - 1 for p, n in self._left.items() if n > 1}
         self.rounds += 1
         oldest = self.rounds - OPPOSED_SPAN_ROUNDS
@@ -189,6 +204,7 @@ class LeftOut:
             for p, (times, at, sat_out) in self._stalls.items()
             if p in self._left or stalls_remembered(times, self.rounds - at - sat_out)
         }
+        self._probation &= self._stalls.keys()
 
     def stall(self, peer_id: Any, why: str, first: int = STALL_ROUNDS) -> None:
         """Leave `peer_id` out of the next rounds: `first` times 2 to the power of the
@@ -234,19 +250,28 @@ class LeftOut:
         """As a round ends: a member read in it whose medians over this peer's last
         FOLLOW_WITHIN readings of it (within OPPOSED_SPAN_ROUNDS rounds) are both below the
         bars (its ratio to the closest other member's cosine, FOLLOW_RATIO; its cosine,
-        FOLLOW_COSINE) is left out as one that opposed this peer's update."""
+        FOLLOW_COSINE) is left out as one that opposed this peer's update; one on probation
+        (ON_PROBATION_READINGS) on its reading in this round."""
         for peer_id, kept in list(self._follows.items()):
             if kept[-1][0] != self.rounds or peer_id in self._left or self._banned(peer_id):
                 continue
             recent = [(r, c) for at, r, c in kept if at > self.rounds - OPPOSED_SPAN_ROUNDS]
-            if len(recent) < FOLLOW_WITHIN:
+            on_probation = peer_id in self._probation
+            if on_probation:
+                recent = recent[-ON_PROBATION_READINGS:]
+            elif len(recent) < FOLLOW_WITHIN:
                 continue
             ratio = statistics.median(r for r, _ in recent)
             cosine = statistics.median(c for _, c in recent)
             if ratio < self._follow and cosine < FOLLOW_COSINE:
+                which = (
+                    "in its first round since it was let back in"
+                    if on_probation
+                    else f"the medians of its last {len(recent)} readings"
+                )
                 why = (
                     f"{FOLLOW_WHY} (cosine {cosine:.2f}, {ratio:.2f} of the closest member's, "
-                    f"the medians of its last {len(recent)} readings)"
+                    f"{which})"
                 )
                 self._left_out_for_its_updates(peer_id, why)
 
@@ -265,8 +290,9 @@ class LeftOut:
         much evidence as the next round's). The tries of one round are one reading, opposed if
         any was: an honest member's one odd update read twice is not two, and an attacker's
         agreeing tries push no opposed reading out. Left out for opposing, a member is counted
-        afresh once let back in; left out for a stall, it keeps its readings (one holding an
-        opposed reading could otherwise stall a round to start afresh)."""
+        afresh once let back in, on probation (ON_PROBATION_READINGS: one opposed reading in
+        its first round back leaves it out again); left out for a stall, it keeps its readings
+        (one holding an opposed reading could otherwise stall a round to start afresh)."""
         self._tell(peer_id, f"{float(cosine)!r} {float(lean)!r}", "agreement")
         if peer_id in self._left or self._banned(peer_id):
             return
@@ -283,6 +309,11 @@ class LeftOut:
                 f"sent an update that leans one way from this peer's (the difference sums to "
                 f"{float(lean):+.2f} of its absolute sum)"
             )
+        elif peer_id in self._probation and len(opposed) >= ON_PROBATION_READINGS:
+            why = (
+                f"sent an update opposite to this peer's in its first round since it was let "
+                f"back in (cosine {float(cosine):.3f})"
+            )
         elif len(opposed) >= OPPOSED_ROUNDS:
             why = (
                 f"sent updates opposite to this peer's in {len(opposed)} of its last "
@@ -294,7 +325,8 @@ class LeftOut:
 
     def _left_out_for_its_updates(self, peer_id: Any, why: str) -> None:
         """Left out for OPPOSED_EXCLUSION_ROUNDS (doubled for each exclusion it is still
-        remembered for), and counted afresh by both rules once let back in."""
+        remembered for), and counted afresh by both rules once let back in, on probation."""
         self._readings.pop(peer_id, None)
         self._follows.pop(peer_id, None)
+        self._probation.add(peer_id)
         self.stall(peer_id, why, first=OPPOSED_EXCLUSION_ROUNDS)
