@@ -1,18 +1,17 @@
-"""How far honest updates and "a little is enough" (ALIE) lean one way from a reducer's own:
-what exclusion.LEAN is set against, without the network. `bench attack`'s model, data and
-learning rate; `--members` honest workers start each round from the same parameters and train
-on their own windows (the last `--short` of them fewer steps: a slower peer), a fourth sends
-ALIE made from its own update (attack.poison), and every worker's span is read by the project's
-own reducer (robust.RobustReducer: its cosines and leans, one span per member as a round of
-that many reduces them). The honest updates' mean is applied and the next round begins.
-Prints one JSON line per round and a summary line.
+"""How far honest updates and "a little is enough" (ALIE) lean one way, once their component
+along a reducer's own update is taken out: what exclusion.LEAN is set against, without the
+network. `bench attack`'s model, data and learning rate, Atom's AdamW defaults; `--members`
+honest workers start each round from the same parameters and train on their own windows (the
+last `--short` of them only `--short-steps` a round: a slower peer, whose update is smaller), a
+further worker sends ALIE made from its own update (attack.poison); each honest worker reads
+every span as the project's reducer does (robust.RobustReducer: its cosines and leans). The
+honest updates' mean is applied, each worker keeps its optimizer's state, and the next round
+begins. Prints one JSON line per round and a summary line.
 
     .venv/bin/python scripts/measure_lean.py --rounds 6
 
-Only the first span's reader is each honest member in turn; the attacker's own span is not
-read (it judges no one that matters). AdamW's state starts afresh each round, as a peer's
-inner optimizer does not: the leans of honest pairs measured in `bench attack` are in its JSON
-(`agreement_defended`, `honest_lean`).
+The honest leans `bench attack` measures on the wire (codec, re-synchronizations, the
+clock's rounds) are in its JSON (`agreement_defended`, `honest_lean`).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import asyncio
 import copy
 import json
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--short", type=int, default=1, help="of them, training --short-steps")
     p.add_argument("--steps", type=int, default=25, help="steps per round (a round every 5 "
                    "steps lands about 25 steps on in bench attack)")  # fmt: skip
-    p.add_argument("--short-steps", type=int, default=15)
+    p.add_argument("--short-steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
@@ -51,13 +51,19 @@ def parse() -> argparse.Namespace:
     return a
 
 
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """Atom's AdamW defaults (optim/adamw.py): decay on matrices and embeddings only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=2e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
 def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def train(model: GPT, draw: WindowSampler, steps: int, first: int) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    loss = torch.zeros(())
+def train(model: GPT, opt: torch.optim.Optimizer, draw: WindowSampler, steps: int, first: int):
     for k in range(steps):
         x, y = to_xy(draw.windows("train", first + k))
         logits = model(x)
@@ -66,7 +72,6 @@ def train(model: GPT, draw: WindowSampler, steps: int, first: int) -> float:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return float(loss)
 
 
 def read(parts: list[torch.Tensor], reader: int) -> tuple[dict[int, float], dict[int, float]]:
@@ -94,46 +99,50 @@ def main() -> None:
     shards = prepared_data(DataSection())
     model = GPT(GPTConfig.from_name("small"))
     n = a.members + 1  # and the attacker
+    workers = [copy.deepcopy(model) for _ in range(n)]
+    opts = [adamw(w) for w in workers]
     draws = [
         WindowSampler(shards, LoaderConfig(8, 64, a.seed, peer_index=i, num_peers=n))
         for i in range(n)
     ]
-    honest_leans, attacker_leans, honest_cos, attacker_cos = [], [], [], []
+    short = range(a.members - a.short, a.members)
+    theta = flat(model)
+    honest, attacker = [], []  # (cosine, lean)
     for r in range(a.rounds):
-        theta = flat(model)
         deltas = []
-        for i in range(n):
-            worker = copy.deepcopy(model)
-            short = a.members - a.short <= i < a.members
-            train(worker, draws[i], a.short_steps if short else a.steps, r * a.steps)
+        for i, (worker, opt) in enumerate(zip(workers, opts, strict=True)):
+            torch.nn.utils.vector_to_parameters(theta.clone(), worker.parameters())
+            train(worker, opt, draws[i], a.short_steps if i in short else a.steps, r * a.steps)
             deltas.append(flat(worker) - theta)
         deltas[-1] = poison("alie", deltas[-1])
-        span = slice(0, theta.numel() // n)  # the first member's span, read by each in turn
-        row = {"round": r, "readers": []}
+        spans = torch.arange(theta.numel()).chunk(n)  # as a round of n members cuts them
+        row: dict = {"round": r, "lean_abs_max": {}, "alie_lean": []}
         for reader in range(a.members):
-            parts = [d[span] for d in deltas]
-            parts[0], parts[reader] = parts[reader], parts[0]  # the reader reduces this span
-            cos, lean = read(parts, 0)
-            kept = {i: (round(cos[i], 3), round(lean[i], 3)) for i in lean}
-            row["readers"].append(kept)
-            for i, (c, x) in kept.items():
-                attacker = i == n - 1
-                (attacker_leans if attacker else honest_leans).append(x)
-                (attacker_cos if attacker else honest_cos).append(c)
+            for span in spans:
+                cos, lean = read([d[span] for d in deltas], reader)
+                for i, x in lean.items():
+                    (attacker if i == n - 1 else honest).append((cos.get(i, math.nan), x))
+                    if i == n - 1:
+                        row["alie_lean"].append(round(x, 3))
+                    else:
+                        kind = "short" if i in short else "full"
+                        kept = row["lean_abs_max"].get(kind, 0.0)
+                        row["lean_abs_max"][kind] = round(max(kept, abs(x)), 4)
+        row["alie_lean"] = [min(row["alie_lean"]), max(row["alie_lean"])]
         print(json.dumps(row))
-        mean = torch.stack(deltas[: a.members]).mean(dim=0)
-        torch.nn.utils.vector_to_parameters(theta + mean, model.parameters())
-    print(
-        json.dumps(
-            {
-                "honest_lean_abs_max": max(abs(x) for x in honest_leans),
-                "attacker_lean": [min(attacker_leans), max(attacker_leans)],
-                "honest_cosine": [min(honest_cos), max(honest_cos)],
-                "attacker_cosine": [min(attacker_cos), max(attacker_cos)],
-                "readings": [len(honest_leans), len(attacker_leans)],
-            }
-        )
-    )
+        theta = theta + torch.stack(deltas[: a.members]).mean(dim=0)
+
+    def span(values: list[float]) -> list[float]:
+        return [round(min(values), 3), round(max(values), 3)]
+
+    summary = {
+        "honest_lean_abs_max": round(max(abs(x) for _, x in honest), 4),
+        "attacker_lean": span([x for _, x in attacker]),
+        "honest_cosine": span([c for c, _ in honest]),
+        "attacker_cosine": span([c for c, _ in attacker]),
+        "readings": [len(honest), len(attacker)],
+    }
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -177,7 +177,7 @@ def test_the_attack_report_counts_the_rounds_that_averaged_the_attackers_update_
 def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():
     """The cosines in the honest peers' metrics (`agreement`): the attacker's apart from the
     honest peers', and how many honest readings fell where the rule counts against a member;
-    the leans (a fourth field since session 51; None where not read): the honest ones'
+    the leans (a fourth field since e37b844; None where not read): the honest ones'
     absolute values, the attacker's as they are."""
     clean = [run([3.0, 3.0], None)]
     flipper = run([3.0, 3.0])
@@ -281,9 +281,17 @@ def test_the_attack_report_replays_the_update_rules_on_the_logged_readings():
             ]
     report = attack_report([run([3.0, 3.0], None)], {"label_flip": {"defended": [flipper]}}, -0.3)
     (replay,) = report["attacks"][0]["follow_replay_defended"]
-    assert replay == {"honest_left_out_for_following": 0, "attacker_left_out_at_reading": [3, 3]}
+    assert replay == {
+        "honest_left_out_for_following": 0,
+        "honest_left_out_for_leaning": 0,
+        "attacker_left_out_at_reading": [3, 3],
+    }
     assert report["clean_follow_replay"] == [
-        {"honest_left_out_for_following": 0, "attacker_left_out_at_reading": [None, None]}
+        {
+            "honest_left_out_for_following": 0,
+            "honest_left_out_for_leaning": 0,
+            "attacker_left_out_at_reading": [None, None],
+        }
     ]
     assert follow_replay(flipper) == replay
     for log in flipper.records:  # an honest member far off in two rounds of three: left out
@@ -297,9 +305,15 @@ def test_the_attack_report_replays_the_update_rules_on_the_logged_readings():
         ]  # fmt: skip
     assert follow_replay(opposed)["attacker_left_out_at_reading"] == [1, 1]
     leaning = run([3.0, 3.0])  # ALIE: its cosine an honest member's, its lean far off
-    for log in leaning.records:
+    for k, log in enumerate(leaning.records):
         for i, r in enumerate(log[:3]):
             r["round"] = i
-            r["agreement"] = [["c", "idC", 0.7, 0.01], ["a", "idA", 0.45, -0.7 if i else 0.0]]
+            r["agreement"] = [
+                [f"h{1 - k}", "id", 0.7, 0.01],
+                ["a", "idA", 0.45, -0.7 if i else 0.0],
+            ]
     assert follow_replay(leaning)["attacker_left_out_at_reading"] == [2, 2]
-    assert follow_replay(leaning)["honest_left_out_for_following"] == 0
+    assert follow_replay(leaning)["honest_left_out_for_leaning"] == 0
+    for log in leaning.records:  # an honest member leaning in one round: counted
+        log[2]["agreement"][0][3] = 0.3
+    assert follow_replay(leaning)["honest_left_out_for_leaning"] == 2

@@ -30,6 +30,8 @@ def test_toml_then_overrides(tmp_path: Path):
         ("--peer.follow_ratio=0.6", r"peer.follow_ratio must be in \[0.0, 0.5\], got 0.6"),
         ("--peer.follow_ratio=-0.1", r"peer.follow_ratio must be in \[0.0, 0.5\], got -0.1"),
         ("--peer.follow_ratio=nan", "peer.follow_ratio must be a finite number"),
+        ("--peer.lean=1.5", r"peer.lean must be in \[0.0, 1.0\], got 1.5"),
+        ("--peer.lean=0.05", r"peer.lean must be 0 \(off\) or in \[0.1, 1.0\], got 0.05"),
     ],
 )
 def test_invalid_values_name_the_field(override, message):
@@ -52,10 +54,11 @@ def test_override_syntax():
         parse_overrides(["--steps=3"])
 
 
-def test_the_follow_ratio_defaults_to_the_rule_s_bar_and_is_off_undefended():
+def test_the_follow_ratio_and_lean_default_to_the_rules_bars_and_are_off_undefended():
     from atomtrain.config import PeerSection
     from atomtrain.peer.bounds import NO_DEFENCE, Defence
-    from atomtrain.peer.exclusion import FOLLOW_RATIO
+    from atomtrain.peer.exclusion import FOLLOW_RATIO, LEAN
 
     assert PeerSection().follow_ratio == Defence().follow == FOLLOW_RATIO
     assert NO_DEFENCE.follow == 0.0
+    assert PeerSection().lean == Defence().lean == LEAN and NO_DEFENCE.lean == 0.0

@@ -154,6 +154,9 @@ def _check_peer(cfg: RunConfig) -> None:
     check_number(p.outer_lr, "peer.outer_lr", 0.0, lo_open=True)
     check_number(p.outer_momentum, "peer.outer_momentum", 0.0, 1.0)
     check_number(p.follow_ratio, "peer.follow_ratio", 0.0, 0.5)
+    check_number(p.lean, "peer.lean", 0.0, 1.0)
+    if 0 < p.lean < 0.1:
+        raise AtomError(f"peer.lean must be 0 (off) or in [0.1, 1.0], got {p.lean}")
     check_choice(p.compression, "peer.compression", ("float16", "int8", "int4", "none"))
     if "\0" in p.identity:
         raise AtomError(f"peer.identity must name a file, got {p.identity!r}")

@@ -203,6 +203,11 @@ class PeerSection:
     the medians of its last 3 rounds' readings, a cosine below 0.1 and below this share of the
     closest other member's (a member training on poisoned data). At most 0.5; 0 turns it off: do
     so where honest peers train on very different data (peer/exclusion.py, FOLLOW_RATIO)."""
+    lean: float = 0.25
+    """With `defend`: leave out for a while a member whose update, less its component along this
+    peer's, leans one way by this much in a round's reading (its sum over its absolute sum: "a
+    little is enough" moves every coordinate the same way; honest updates differ by noise). At
+    least 0.1, at most 1; 0 turns it off (peer/exclusion.py, LEAN)."""
     attack: str = ""
     """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale,
     push: a directed push with inflated token counts)."""

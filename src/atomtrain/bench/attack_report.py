@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from atomtrain.peer.exclusion import FOLLOW_WHY, LeftOut
+from atomtrain.peer.exclusion import FOLLOW_WHY, LEAN_WHY, LeftOut
 
 Records = list[dict[str, Any]]
 
@@ -160,9 +160,9 @@ def lost_attempt_cost(run: SwarmRun) -> dict[str, Any]:
 
 def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
     """The cosines the honest peers' reducers read (metrics' `agreement`: [name, peer ID,
-    cosine] each): of the attacker's update with theirs (and its sybils'), and of each other's,
-    with how many of the honest readings fell below `threshold` (where the opposing-update rule
-    counts a round against a member)."""
+    cosine, lean] each): of the attacker's update with theirs (and its sybils'), and of each
+    other's, with how many of the honest readings fell below `threshold` (where the
+    opposing-update rule counts a round against a member); and the leans (exclusion.LEAN)."""
 
     def summary(values: list[float]) -> dict[str, Any]:
         if not values:
@@ -179,7 +179,7 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
     ]
     honest = [c for who, c, _ in readings if who in run.honest]
     out = {"honest": summary(honest), "honest_below": sum(1 for c in honest if c < threshold)}
-    # how far each difference from the reader's update leans one way (exclusion.LEAN)
+    # how far each update, less its component along the reader's, leans one way
     honest_leans = [abs(x) for who, _, x in readings if who in run.honest and x is not None]
     out["honest_lean"] = summary(honest_leans)
     if run.attacker is not None:
@@ -192,28 +192,32 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
 
 
 def _lean(rest: list[Any]) -> float | None:
-    """A reading's lean (metrics' fourth field, since session 51; None where not read)."""
+    """A reading's lean (metrics' fourth field, since e37b844; None where not read)."""
     return float(rest[0]) if rest and rest[0] is not None else None
 
 
 def follow_replay(run: SwarmRun) -> dict[str, Any]:
     """The update rules (exclusion.LeftOut: opposing, leaning, following) replayed on each
     honest peer's readings as its metrics kept them: how many honest (reader, member) pairs the
-    replay leaves out for not following (`honest_left_out_for_following`), and at which of each
-    honest peer's logged readings of the attacker it leaves it out by any rule
-    (`attacker_left_out_at_reading`; null: never). Approximate: the metrics keep no try or
-    round-begun count, so a record's readings are taken as one try (a member read twice in one
-    record starts another), a round as the records of one applied-round count (a failed
-    round's readings go with the next), and exclusions for stalls are not replayed."""
-    honest_named, attacker_at = 0, []
+    replay leaves out for not following (`honest_left_out_for_following`) and for leaning
+    (`honest_left_out_for_leaning`), and at which of each honest peer's logged readings of the
+    attacker it leaves it out by any rule (`attacker_left_out_at_reading`; null: never).
+    Approximate: the metrics keep no try or round-begun count, so a record's readings are
+    taken as one try (a member read twice in one record starts another), a round as the
+    records of one applied-round count (a failed round's readings go with the next), and
+    exclusions for stalls are not replayed."""
+    following = leaning = 0
+    attacker_at = []
     for log in run.records:
         named, at = _replayed(log, run.attacker)
         attacker_at.append(at)
-        honest_named += sum(
-            1 for peer, why in named.items() if peer in run.honest and why.startswith(FOLLOW_WHY)
-        )
+        for peer, whys in named.items():
+            if peer in run.honest:
+                following += any(why.startswith(FOLLOW_WHY) for why in whys)
+                leaning += any(why.startswith(LEAN_WHY) for why in whys)
     return {
-        "honest_left_out_for_following": honest_named,
+        "honest_left_out_for_following": following,
+        "honest_left_out_for_leaning": leaning,
         "attacker_left_out_at_reading": attacker_at,
     }
 
@@ -235,14 +239,14 @@ def _tries(log: list[dict]) -> list[tuple[int, dict[str, tuple[float, float]]]]:
     return tries
 
 
-def _replayed(log: list[dict], attacker: str | None) -> tuple[dict[str, str], int | None]:
-    """(member -> why the replay left it out first, the reading of `attacker` at which it was)
-    for one honest peer's metrics."""
-    named: dict[str, str] = {}
+def _replayed(log: list[dict], attacker: str | None) -> tuple[dict[str, list[str]], int | None]:
+    """(member -> why the replay left it out, each time, the reading of `attacker` at which it
+    was first) for one honest peer's metrics."""
+    named: dict[str, list[str]] = {}
 
     def tell(peer: str, why: str, kind: str) -> None:
         if kind == "stall":
-            named.setdefault(peer, why)
+            named.setdefault(peer, []).append(why)
 
     ledger = LeftOut(tell, lambda peer: False)
     readings, at, current = 0, None, None
@@ -331,12 +335,13 @@ def attack_report(
             "one round); agreement, per seed: the cosines the honest peers' reducers read of the "
             "attacker's update and of each other's against their own (n, min, median, max), "
             "and how many honest readings fell below opposed_cosine; honest_lean: how far "
-            "the honest readings' differences from the reader's update leaned one way (its "
-            "absolute value; exclusion.LEAN leaves a member out), attacker_lean: the "
+            "the honest updates, less their component along the reader's, leaned one way (as "
+            "absolute values; exclusion.LEAN leaves a member out), attacker_lean: the "
             "attacker's (signed); follow_replay, per seed: "
             "the update rules replayed, approximately, on the honest peers' logged readings (a "
             "record's as one try, a round as one applied-round count): honest (reader, member) "
-            "pairs the follow rule would leave out, and at which of each honest peer's logged "
-            "readings of the attacker any rule would leave it out (null: never)"
+            "pairs the follow rule and the lean rule would leave out, and at which of each "
+            "honest peer's logged readings of the attacker any rule would leave it out (null: "
+            "never)"
         ),
     }

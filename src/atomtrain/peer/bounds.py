@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atomtrain.peer.exclusion import FOLLOW_RATIO
+from atomtrain.peer.exclusion import FOLLOW_RATIO, LEAN
 
 DELTA, PROBE = "delta", "probe"
 MIN_WEIGHT = 1e-6
@@ -56,10 +56,19 @@ class Defence:
     """A member whose update follows this member's little (a cosine below FOLLOW_COSINE and below
     this share of the closest other member's, in the medians of its last 3 rounds) is left out
     for a while (exclusion.FOLLOW_RATIO; 0: never)."""
+    lean: float = LEAN
+    """A member whose update, less its component along this member's, leans one way by this
+    much in a round's reading is left out for a while (exclusion.LEAN; 0: never)."""
 
 
 NO_DEFENCE = Defence(
-    clip=math.inf, reject=math.inf, reduced=math.inf, ban=math.inf, audit=False, follow=0.0
+    clip=math.inf,
+    reject=math.inf,
+    reduced=math.inf,
+    ban=math.inf,
+    audit=False,
+    follow=0.0,
+    lean=0.0,
 )
 """Nothing clipped or refused for its size: the weighted mean of the finite parts (bench attack's
 lying reducer in an undefended swarm)."""

@@ -124,7 +124,7 @@ class RobustReducer(TensorPartReducer):
         # a sender whose part is only far too large: left out for a while, not banned
         self.on_doubt: Callable[[int, str], None] = on_reject
         # per sender, over this round's update parts: (its part . ours, |its part|^2, |ours|^2,
-        # sum(its part - ours), sum|its part - ours|)
+        # and, of its part less its component along ours, the sum and the absolute sum)
         self.agreement: dict[int, list[float]] = {}
         super().__init__(part_shapes, len(weights))
 
@@ -240,11 +240,20 @@ class RobustReducer(TensorPartReducer):
         senders = list(parts)
         own = senders.index(self.own_sender)
         stacked = torch.stack([parts[i].flatten() for i in senders]).double()
-        dots = (stacked @ stacked[own]).tolist()
+        dot_products = stacked @ stacked[own]
+        dots = dot_products.tolist()
         squares = stacked.pow(2).sum(dim=1).tolist()
-        apart = stacked - stacked[own]
-        leaning = zip(apart.sum(dim=1).tolist(), apart.abs().sum(dim=1).tolist(), strict=True)
         own2 = squares[own]
+        # each part less its component along ours: what a difference in size (a slower peer,
+        # one just re-synchronized) leaves is the noise, which leans no way
+        # (a part all along ours, flipped or equal, leaves only rounding: nothing to read)
+        leaning = [(0.0, 0.0)] * len(senders)
+        if own2 > 0:
+            apart = stacked - (dot_products / own2).unsqueeze(1) * stacked[own]
+            size = apart.abs().sum(dim=1)
+            read = size > 1e-9 * stacked.abs().sum(dim=1)
+            sums = torch.where(read, apart.sum(dim=1), 0.0).tolist()
+            leaning = list(zip(sums, torch.where(read, size, 0.0).tolist(), strict=True))
         for i, dot, square, (lean, size) in zip(senders, dots, squares, leaning, strict=True):
             if i != self.own_sender:
                 sums = self.agreement.setdefault(i, [0.0] * 5)
@@ -260,10 +269,11 @@ class RobustReducer(TensorPartReducer):
         return {i: dot / math.sqrt(a * b) for i, (dot, a, b, *_) in sums if a > 0 and b > 0}
 
     def leans(self) -> dict[int, float]:
-        """Per sender, how far its update parts of this span, less this reducer's own, lean one
-        way: their sum over their absolute sum, in [-1, 1]. Two honest updates differ by noise
-        about as often up as down (within 0.03 of 0, measured); "a little is enough" moves
-        every coordinate the same way (attack.ALIE_Z: -0.64 to -0.83, exclusion.LEAN)."""
+        """Per sender, how far its update parts of this span lean one way once their component
+        along this reducer's own is taken out (part by part): their sum over their absolute
+        sum, in [-1, 1]. What is left of an honest update is noise, up about as often as down,
+        whatever its size against ours; "a little is enough" moves every coordinate the same
+        way (exclusion.LEAN has the figures)."""
         sums = self.agreement.items()
         return {i: lean / size for i, (*_, lean, size) in sums if size > 0}
 

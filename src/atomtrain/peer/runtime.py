@@ -222,6 +222,7 @@ class PeerRuntime:
                 min_scale=self.lr * MIN_SCALE_STEPS,
                 audit=self.cfg.audit,
                 follow=self.cfg.follow_ratio,
+                lean=self.cfg.lean,
             )
             if self.cfg.defend
             else None,
