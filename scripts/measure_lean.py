@@ -4,7 +4,8 @@ network. `bench attack`'s model, data and learning rate, Atom's AdamW defaults; 
 honest workers start each round from the same parameters and train on their own windows (the
 last `--short` of them only `--short-steps` a round: a slower peer, whose update is smaller), a
 further worker sends ALIE made from its own update (attack.poison); each honest worker reads
-every span as the project's reducer does (robust.RobustReducer: its cosines and leans). The
+every span with the project's reducer (robust.RobustReducer: its cosines and leans), as one
+part, where a round cuts a span into parts of 2^18 values or so and codes them. The
 honest updates' mean is applied, each worker keeps its optimizer's state, and the next round
 begins. Prints one JSON line per round and a summary line.
 
@@ -128,15 +129,16 @@ def main() -> None:
                         kind = "short" if i in short else "full"
                         kept = row["lean_abs_max"].get(kind, 0.0)
                         row["lean_abs_max"][kind] = round(max(kept, abs(x)), 4)
-        row["alie_lean"] = [min(row["alie_lean"]), max(row["alie_lean"])]
+        if row["alie_lean"]:  # (none where every reducer dropped its part)
+            row["alie_lean"] = [min(row["alie_lean"]), max(row["alie_lean"])]
         print(json.dumps(row))
         theta = theta + torch.stack(deltas[: a.members]).mean(dim=0)
 
     def span(values: list[float]) -> list[float]:
-        return [round(min(values), 3), round(max(values), 3)]
+        return [round(min(values), 3), round(max(values), 3)] if values else []
 
     summary = {
-        "honest_lean_abs_max": round(max(abs(x) for _, x in honest), 4),
+        "honest_lean_abs_max": round(max((abs(x) for _, x in honest), default=0.0), 4),
         "attacker_lean": span([x for _, x in attacker]),
         "honest_cosine": span([c for c, _ in honest]),
         "attacker_cosine": span([c for c, _ in attacker]),

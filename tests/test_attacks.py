@@ -176,9 +176,9 @@ def test_the_attack_report_counts_the_rounds_that_averaged_the_attackers_update_
 
 def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():
     """The cosines in the honest peers' metrics (`agreement`): the attacker's apart from the
-    honest peers', and how many honest readings fell where the rule counts against a member;
-    the leans (a fourth field since e37b844; None where not read): the honest ones'
-    absolute values, the attacker's as they are."""
+    honest peers', and how many honest readings fell where the rule counts against a member; the
+    leans (a fourth field since e37b844, projected since 8d7317d; None where not read): the honest
+    ones' absolute values, the attacker's as they are."""
     clean = [run([3.0, 3.0], None)]
     flipper = run([3.0, 3.0])
     flipper.records[0][0]["agreement"] = [["h1", "id1", 0.5, -0.02], ["a", "idA", -0.6, -0.7]]
@@ -190,9 +190,10 @@ def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():
     assert seen["honest"]["n"] == 3 and seen["honest"]["median"] == 0.5
     assert seen["honest_below"] == 1  # -0.35, below -0.3
     assert seen["honest_lean"] == {"n": 2, "min": 0.01, "median": 0.015, "max": 0.02}
+    assert seen["honest_lean_at_bar"] == 0
     assert seen["attacker_lean"] == {"n": 2, "min": -0.7, "median": -0.6, "max": -0.5}
     assert report["clean_agreement"] == [
-        {"honest": {"n": 0}, "honest_below": 0, "honest_lean": {"n": 0}}
+        {"honest": {"n": 0}, "honest_below": 0, "honest_lean": {"n": 0}, "honest_lean_at_bar": 0}
     ]
     assert report["opposed_cosine"] == OPPOSED_COSINE
 

@@ -1889,6 +1889,24 @@ def test_the_reducer_measures_how_far_each_members_update_leans_one_way_from_its
     assert abs(lean[1]) < 0.05 and abs(lean[6]) < 0.05
     assert lean[2] < -0.5 and lean[3] > 0.5 and LEAN < 0.5
 
+    async def part_by_part() -> dict[int, float]:
+        """Twice the reducer's part in one part, half in the next: nothing left in either (one
+        projection over both would leave each part's difference in size); where the reducer's
+        own part is zeros, a part is not read (its own lean is not ours to judge)."""
+        reducer = RobustReducer(
+            [torch.Size([4000])] * 3, ["delta"] * 3, [1.0] * 3, 0, Defence(reject=1e9),
+            [False] * 3, lambda i, why: None,
+        )  # fmt: skip
+        for part, (x, scale) in enumerate([(own[0], 2.0), (own[1], 0.5), (torch.zeros(4000), 1)]):
+            reducer.current_part_index = part
+            y = x * scale if part < 2 else own[0]
+            reducer.parts = {0: x, 1: y, 2: y + 0.5 * torch.randn(4000, generator=g)}
+            reducer._combine()
+        return reducer.leans()
+
+    lean = asyncio.run(part_by_part())
+    assert set(lean) == {2} and abs(lean[2]) < 0.05
+
 
 def test_a_member_whose_update_leans_one_way_in_a_rounds_reading_is_left_out_as_it_ends():
     """A member whose update leans one way by LEAN or more, either way, in every try of a round
@@ -1923,6 +1941,16 @@ def test_a_member_whose_update_leans_one_way_in_a_rounds_reading_is_left_out_as_
                "absolute sum)"),
     ]  # fmt: skip
     assert ledger.rounds_left("alie") == OPPOSED_EXCLUSION_ROUNDS - 1  # (this round is one)
+    while "alie" in ledger:  # let back in on probation: one opposed reading leaves it out
+        ledger.next_round()
+    ledger.next_round()
+    ledger.readings({"alie": -0.35, "a": 0.6}, {"alie": 0.0, "a": 0.01})
+    assert named[-1][0] == "alie" and "since let back in" in named[-1][1]
+    banned = LeftOut(tell, lambda peer: peer == "gone")  # banned mid-round: nothing to judge
+    banned.next_round()
+    banned.readings({"gone": 0.45, "a": 0.6}, {"gone": -0.7, "a": 0.01})
+    banned.next_round()
+    assert named[-1][0] == "alie"
     off = LeftOut(tell, lambda peer: False, lean=0.0)
     named.clear()
     for _ in range(3):

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from atomtrain.peer.exclusion import FOLLOW_WHY, LEAN_WHY, LeftOut
+from atomtrain.peer.exclusion import FOLLOW_WHY, LEAN, LEAN_WHY, LeftOut
 
 Records = list[dict[str, Any]]
 
@@ -182,6 +182,7 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
     # how far each update, less its component along the reader's, leans one way
     honest_leans = [abs(x) for who, _, x in readings if who in run.honest and x is not None]
     out["honest_lean"] = summary(honest_leans)
+    out["honest_lean_at_bar"] = sum(1 for x in honest_leans if x >= LEAN)
     if run.attacker is not None:
         out["attacker"] = summary([c for who, c, _ in readings if who == run.attacker])
         leans = [x for who, _, x in readings if who == run.attacker and x is not None]
@@ -192,7 +193,8 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
 
 
 def _lean(rest: list[Any]) -> float | None:
-    """A reading's lean (metrics' fourth field, since e37b844; None where not read)."""
+    """A reading's lean (metrics' fourth field: less the component along the reader's update
+    since 8d7317d, the plain difference at e37b844 and c7f7c2a; None where not read)."""
     return float(rest[0]) if rest and rest[0] is not None else None
 
 
@@ -336,7 +338,8 @@ def attack_report(
             "attacker's update and of each other's against their own (n, min, median, max), "
             "and how many honest readings fell below opposed_cosine; honest_lean: how far "
             "the honest updates, less their component along the reader's, leaned one way (as "
-            "absolute values; exclusion.LEAN leaves a member out), attacker_lean: the "
+            "absolute values; exclusion.LEAN leaves a member out; honest_lean_at_bar: how "
+            "many reached it), attacker_lean: the "
             "attacker's (signed); follow_replay, per seed: "
             "the update rules replayed, approximately, on the honest peers' logged readings (a "
             "record's as one try, a round as one applied-round count): honest (reader, member) "

@@ -398,9 +398,9 @@ class ProbedAverager:
     def agreements(self) -> list[tuple[str, str, float, float]]:
         """(name, peer ID, cosine, lean) for each reading, since the last call, of how a
         member's update agreed with this peer's own over the span this peer reduced, and how
-        far their difference leans one way (NaN: not read; read after rejections()): what the
-        update rules (exclusion.py: OPPOSED_COSINE, LEAN) judge, for a user to check them on
-        their data."""
+        far it leans one way less its component along this peer's (NaN: not read; read after
+        rejections()): what the update rules (exclusion.py: OPPOSED_COSINE, LEAN) judge, for a
+        user to check them on their data."""
         out, self._agreements = self._agreements, []
         return out
 

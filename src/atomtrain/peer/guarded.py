@@ -168,8 +168,8 @@ class GuardedAverager(DecentralizedAverager):
         self._left_out = LeftOut(
             lambda peer_id, why, kind: events.put((peer_id.to_base58(), why, kind)),
             lambda peer_id: peer_id in self._gate.banned,
-            defence.follow if defence is not None else 0.0,
-            defence.lean if defence is not None else 0.0,
+            follow=defence.follow if defence is not None else 0.0,
+            lean=defence.lean if defence is not None else 0.0,
         )
         self._audits: dict[bytes, AuditedRunner] = {}  # group ID -> its runner, latest last
         self._heard: dict[bytes, set[PeerID]] = {}  # group ID -> members whose parts came

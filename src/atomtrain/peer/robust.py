@@ -35,11 +35,11 @@ Each reducer also measures, over the update parts of its span, how each other me
 agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member whose update points
 against this one's round after round, or far against it once, is left out for a while
 (exclusion.py, OPPOSED_COSINE, STRONGLY_OPPOSED_COSINE), though clipping already bounds what it
-moves each round; so is one whose update, less this one's, leans one way (the difference's sum
-over its absolute sum, `leans`, exclusion.LEAN: "a little is enough" moves every coordinate the
-same way, where honest updates differ by noise), and one whose update follows this one's
-little, far less than another member's does (`peer.follow_ratio`: a member training on
-poisoned data). A member that brings
+moves each round; so is one whose update, less its component along this one's, leans one way (what
+is left summed over its absolute sum, `leans`, exclusion.LEAN: "a little is enough" moves every
+coordinate the same way, where what is left of an honest update is noise), and one whose update
+follows this one's little, far less than another member's does (`peer.follow_ratio`: a member
+training on poisoned data). A member that brings
 its weight average to its last round reads no one (guarded.reads_members: no `on_agreement`).
 
 A reducer can lie too: every member checks the averaged parts it receives (bounds.py). With three or
