@@ -73,25 +73,26 @@ median -0.03) read -0.53 once in 88 readings (docs/bench-attack-rerun-a4f65b9.js
 Untested, as for OPPOSED_COSINE: members training on different data, larger swarms, the 4-bit
 codec."""
 LEAN = 0.25
-"""A member whose update, less its component along this peer's own, leans one way by this much
-in a round's reading (its sum over its absolute sum, robust.RobustReducer.leans, either sign;
-the least of the round's tries, judged once the round is over) is left out by that reading.
-The default of `peer.lean` (0: no such rule). What is left of an honest update once its
-component along another's is taken out is noise, up about as often as down, whatever the two
-updates' sizes: `scripts/measure_lean.py` (bench attack's model, data and learning rate, 3
-honest members, 6 rounds, every span read by every member) read honest leans within 0.022 of 0
-in 432 readings over three runs (one member training 5 steps a round against the others' 25;
-two training 1 step; another seed), and bench attack's clean swarms within 0.052 in 540
-readings of the plain difference, before the component was taken out (metrics at e37b844,
-session 51). "A little is enough" (ALIE, Baruch et al. 2019) moves every coordinate z spreads
-the same way, inside the honest range, so its cosine with an honest update reads as a weak
-honest member's (at most 0.49-0.56 there, honest pairs' at most 0.65-0.73, both lower in some
-spans) and names it by no other rule at once; it leaned -0.81 to -0.999.
-Untested: members training on different data (set `peer.lean` to 0 where honest peers do), the
-4-bit codec, larger models. What it cannot see: an ALIE whose shifts balance up and down over
-each span (a fixed pattern of signs) or a far smaller z leans too little; the first moves the
-average as far as a push clipped at the radius (about one update over N each round) and no
-rule here names it, the second moves it z times less."""
+"""A member whose update, less its component along this peer's own, leans one way by this much in a
+round's reading (its sum over its absolute sum, robust.RobustReducer.leans, either sign; the
+least of the round's tries, judged once the round is over) is left out by that reading. The
+default of `peer.lean` (0: no such rule). What is left of an honest update once its component
+along another's is taken out is noise, up about as often as down, whatever the two updates'
+sizes: `scripts/measure_lean.py` (bench attack's model, data and learning rate, 3 honest
+members, 6 rounds, every span read by every member) read honest leans within 0.022 of 0 in 432
+readings over three runs (one member training 5 steps a round against the others' 25; two
+training 1 step; another seed); bench attack (run LN3, 8d7317d, on the wire, 0.5-core quota)
+within 0.044 in 3,121 honest readings over six swarms (its clean ones' within 0.031), and its
+clean swarms within 0.052 in 540 readings of the plain difference, before the component was
+taken out (metrics at e37b844). "A little is enough" (ALIE, Baruch et al. 2019) moves every
+coordinate z spreads the same way, inside the honest range, so its cosine with an honest update
+reads as a weak honest member's (at most 0.49-0.56 there, honest pairs' at most 0.65-0.73, both
+lower in some spans) and names it by no other rule at once; it leaned -0.81 to -0.999. Untested:
+members training on different data (set `peer.lean` to 0 where honest peers do), the 4-bit
+codec, larger models. What it cannot see: an ALIE whose shifts balance up and down over each
+span (a fixed pattern of signs) or a far smaller z leans too little; the first moves the average
+as far as a push clipped at the radius (about one update over N each round) and no rule here
+names it, the second moves it z times less."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not
