@@ -139,8 +139,9 @@ def test_a_round_without_a_group_changes_nothing_and_local_steps_never_wait(tmp_
         assert max(lone.after_step_s) < 1.0, max(lone.after_step_s)
         # the step that found it failed says for how long it ran (bench attack's failed_round_s)
         lost = [r["failed_round_s"] for r in lone.records if "failed_round_s" in r]
-        # (the peer's clock starts a moment after hivemind's 5 s deadline does: 4.9976 s in CI)
-        assert len(lost) == 1 and 4.9 <= lost[0] < 30, lost
+        # (the peer's clock starts a moment after hivemind's 5 s deadline does: 4.9976 s in one
+        # CI run, 4.889 s in another; the bound tells the round's time from none or a step's)
+        assert len(lost) == 1 and 4.0 <= lost[0] < 30, lost
     finally:
         lone.close()
 
