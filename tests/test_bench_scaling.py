@@ -83,6 +83,11 @@ def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):
     assert seed["device_busy_fraction"] == 0.5
     assert seed["round_s"] == 9.0  # median of 8 and 10
     assert seed["averaging_memory_ratio"] == 2.5
+    assert seed["left_out"] == [[], []]
+    blaming = peer(20, 5)
+    blaming[1]["stalled_peers"] = ["p0"]  # an honest peer left out by the other
+    blamed = finished_run(tmp_path, [peer(10, 4), blaming], launch=100.0)
+    assert swarm_seed(blamed, target=2.0)["left_out"] == [[], ["p0"]]
     missing = finished_run(tmp_path, [peer(10, 1), peer(10, 1)[:2]], launch=100.0)
     assert swarm_seed(missing, target=2.0)["time_s"] is None
     late = finished_run(tmp_path, [peer(10, 4), peer(20, 5)], launch=100.0)
@@ -151,7 +156,7 @@ def test_quick_bench_end_to_end(tmp_path: Path):
         "speedup_2", "speedup_vs_ddp", "speedup_vs_pipeline", "bytes_per_round", "ceiling_2",
         "step_ceiling_2",
     ):  # fmt: skip
-        assert number(out[key]) and out[key] > 0, key
+        assert number(out[key]) and out[key] > 0, (key, out["systems"]["atom_2"]["per_seed"])
     assert 0 < out["device_busy_fraction"] <= 1.05
     assert out["averaging_memory_ratio"] is None or number(out["averaging_memory_ratio"])
     for name in ("single", "ideal_2", "atom_2", "ddp", "pipeline"):
@@ -162,6 +167,8 @@ def test_quick_bench_end_to_end(tmp_path: Path):
     single = out["systems"]["single"]["per_seed"][0]
     assert single["stopped_by"] == "target" and single["steps_to_target"] > 0
     assert min(out["systems"]["atom_2"]["per_seed"][0]["rounds"]) > 0
+    for name in ("atom_2", "sync_diloco"):  # honest peers, none left out by the other's rules
+        assert out["systems"][name]["per_seed"][0]["left_out"] == [[], []], name
     # the counters behind the status table's network figures against the links (issue 16)
     assert abs(out["wire_vs_link_bytes"] - 1) < 0.1, out["wire_vs_link_bytes"]
     for name in ("ddp", "pipeline"):

@@ -30,6 +30,11 @@ def last_value(records: Records, key: str) -> Any:
     return next((r[key] for r in reversed(records) if key in r), None)
 
 
+def blamed(record: dict[str, Any]) -> list[str]:
+    """The peers a record names as left out for a while or banned."""
+    return [*record.get("stalled_peers", ()), *record.get("rejected_peers", ())]
+
+
 def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
     """One seed of `single` or of a swarm: reached when every process has."""
     logs = run.records()
@@ -85,6 +90,8 @@ def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
         "averaging_memory_ratio": max(memory) if memory else None,
         "device_busy_fraction": statistics.mean(busy) if busy else None,
         "final_val_loss": [last_value(log, "val_loss") for log in logs],
+        # every peer here is honest: one left out or banned by another is the defence's mistake
+        "left_out": [sorted({n for r in log for n in blamed(r)}) for log in logs],
         "errors": run.errors(),
     }
 
