@@ -1,13 +1,15 @@
-"""How far honest updates and "a little is enough" (ALIE) lean one way, once their component
-along a reducer's own update is taken out: what exclusion.LEAN is set against, without the
-network. `bench attack`'s model, data and learning rate, Atom's AdamW defaults; `--members`
-honest workers start each round from the same parameters and train on their own windows (the
-last `--short` of them only `--short-steps` a round: a slower peer, whose update is smaller), a
-further worker sends ALIE made from its own update (attack.poison); each honest worker reads
-every span with the project's reducer (robust.RobustReducer: its cosines and leans), as one
-part, where a round cuts a span into parts of 2^18 values or so and codes them. The
-honest updates' mean is applied, each worker keeps its optimizer's state, and the next round
-begins. Prints one JSON line per round and a summary line.
+"""How far honest updates and "a little is enough" (ALIE) lean one way, once their component along a
+reducer's own update is taken out, read two ways (robust.RobustReducer.leans): what exclusion.LEAN
+is set against, without the network. `bench attack`'s model, data and learning rate, Atom's AdamW
+defaults; `--members` honest workers start each round from the same parameters and train on their
+own windows (the last `--short` of them only `--short-steps` a round: a slower peer, whose update is
+smaller), a further worker sends ALIE made from its own update (attack.poison, as bench attack's
+attacker does) or, with `--alie honest`, the honest updates' mean less `--z` of their standard
+deviations (an attacker that sees every honest update); each honest worker reads every span with the
+project's reducer (robust.RobustReducer: its cosines and leans), as one part, where a round cuts a
+span into parts of 2^18 values or so and codes them. The honest updates' mean is applied, each
+worker keeps its optimizer's state, and the next round begins. Prints one JSON line per round and a
+summary line.
 
     .venv/bin/python scripts/measure_lean.py --rounds 6
 
@@ -31,7 +33,7 @@ from atomtrain.config import DataSection
 from atomtrain.data.loader import LoaderConfig, WindowSampler, to_xy
 from atomtrain.models.config import GPTConfig
 from atomtrain.models.gpt import GPT
-from atomtrain.peer.attack import poison
+from atomtrain.peer.attack import ALIE_Z, poison
 from atomtrain.peer.bounds import Defence
 from atomtrain.peer.robust import RobustReducer
 from atomtrain.train.session import prepared_data
@@ -46,6 +48,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--short-steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--alie", choices=("own", "honest"), default="own",
+        help="ALIE from the attacker's own update, or from every honest one's",
+    )  # fmt: skip
+    p.add_argument("--z", type=float, default=ALIE_Z, help="with --alie honest: spreads moved")
     a = p.parse_args()
     if a.members < 2 or not 0 <= a.short < a.members or min(a.steps, a.short_steps) < 1:
         p.error("--members >= 2, 0 <= --short < --members, and positive step counts")
@@ -115,7 +122,11 @@ def main() -> None:
             torch.nn.utils.vector_to_parameters(theta.clone(), worker.parameters())
             train(worker, opt, draws[i], a.short_steps if i in short else a.steps, r * a.steps)
             deltas.append(flat(worker) - theta)
-        deltas[-1] = poison("alie", deltas[-1])
+        if a.alie == "honest":
+            honest_deltas = torch.stack(deltas[: a.members])
+            deltas[-1] = honest_deltas.mean(dim=0) - a.z * honest_deltas.std(dim=0)
+        else:
+            deltas[-1] = poison("alie", deltas[-1])
         spans = torch.arange(theta.numel()).chunk(n)  # as a round of n members cuts them
         row: dict = {"round": r, "lean_abs_max": {}, "alie_lean": []}
         for reader in range(a.members):

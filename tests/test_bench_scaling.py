@@ -85,7 +85,8 @@ def test_a_swarm_reaches_the_target_when_its_last_peer_does(tmp_path: Path):
     assert seed["averaging_memory_ratio"] == 2.5
     assert seed["left_out"] == [[], []]
     blaming = peer(20, 5)
-    blaming[1]["stalled_peers"] = ["p0"]  # an honest peer left out by the other
+    blaming[1]["stalled_peers"] = ["p0", "p2"]  # p2 only stalled: not the rules' mistake
+    blaming[1]["left_out_for_updates"] = ["p0"]  # an honest peer left out by the other
     blamed = finished_run(tmp_path, [peer(10, 4), blaming], launch=100.0)
     assert swarm_seed(blamed, target=2.0)["left_out"] == [[], ["p0"]]
     missing = finished_run(tmp_path, [peer(10, 1), peer(10, 1)[:2]], launch=100.0)

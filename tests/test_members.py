@@ -706,17 +706,25 @@ def test_a_peer_banned_before_any_round_with_it_is_reported_by_the_name_its_stat
     attack matches the attacker by name)."""
     averager = SimpleNamespace(
         rejections=lambda: [("QmForger", "sent a forged record"), ("QmGone", "forged metadata")],
-        stalls=lambda: [("QmSlow", "sent none of its parts")],
+        stalls=lambda: [
+            ("QmSlow", "sent none of its parts"),
+            ("QmLean", "sent an update that leans one way from this peer's (...)"),
+        ],
         agreements=lambda: [],
     )
-    known = [status("mallory", "QmForger", 3), status("bob", "QmSlow", 3)]
+    known = [
+        status("mallory", "QmForger", 3),
+        status("bob", "QmSlow", 3),
+        status("eve", "QmLean", 3),
+    ]
     peer = SimpleNamespace(
         averager=averager, rejected={}, presence=SimpleNamespace(known_others=known)
     )
     record: dict = {}
     note_rejections(peer, record)
     assert record["rejected_peers"] == ["QmGone", "mallory"]  # (no status: its peer ID)
-    assert record["stalled_peers"] == ["bob"]
+    assert record["stalled_peers"] == ["bob", "eve"]
+    assert record["left_out_for_updates"] == ["eve"]  # for what its update read as, not a stall
 
 
 def test_a_joiner_ranks_sources_by_rounds_capped_at_the_swarms():

@@ -205,8 +205,10 @@ class PeerSection:
     so where honest peers train on very different data (peer/exclusion.py, FOLLOW_RATIO)."""
     lean: float = 0.25
     """With `defend`: leave out for a while a member whose update, less its component along this
-    peer's, leans one way by this much in a round's reading (its sum over its absolute sum: "a
-    little is enough" moves every coordinate the same way; honest updates differ by noise). At
+    peer's, leans one way by this much in a round's reading (its sum over its absolute sum, and
+    that less the same of this peer's update against the member's, halved: the lesser where
+    both lean the same way; "a little is enough" moves every coordinate the same way, honest
+    updates differ by noise). At
     least 0.1, at most 1; 0 turns it off (peer/exclusion.py, LEAN)."""
     attack: str = ""
     """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale,

@@ -193,8 +193,10 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
 
 
 def _lean(rest: list[Any]) -> float | None:
-    """A reading's lean (metrics' fourth field: less the component along the reader's update
-    since 8d7317d, the plain difference at e37b844 and c7f7c2a; None where not read)."""
+    """A reading's lean (metrics' fourth field, robust.RobustReducer.leans: read two ways since
+    the fix of b3a5986, one way (less the component along the reader's update) from 8d7317d to
+    0f3e718, times the sine of the angle at b3a5986, the plain difference at e37b844 and
+    c7f7c2a; None where not read)."""
     return float(rest[0]) if rest and rest[0] is not None else None
 
 
@@ -337,7 +339,9 @@ def attack_report(
             "one round); agreement, per seed: the cosines the honest peers' reducers read of the "
             "attacker's update and of each other's against their own (n, min, median, max), "
             "and how many honest readings fell below opposed_cosine; honest_lean: how far "
-            "the honest updates, less their component along the reader's, leaned one way (as "
+            "the honest updates, less their component along the reader's, leaned one way, and "
+            "that less how far the reader's, less its component along theirs, did, halved, the "
+            "lesser where both lean the same way, else 0 (robust.RobustReducer.leans; as "
             "absolute values; exclusion.LEAN leaves a member out; honest_lean_at_bar: how "
             "many reached it), attacker_lean: the "
             "attacker's (signed); follow_replay, per seed: "

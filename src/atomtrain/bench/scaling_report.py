@@ -31,8 +31,9 @@ def last_value(records: Records, key: str) -> Any:
 
 
 def blamed(record: dict[str, Any]) -> list[str]:
-    """The peers a record names as left out for a while or banned."""
-    return [*record.get("stalled_peers", ()), *record.get("rejected_peers", ())]
+    """The peers a record names as banned, or left out for what their updates read as (not
+    for a stall, which a loaded link or machine makes of an honest peer)."""
+    return [*record.get("left_out_for_updates", ()), *record.get("rejected_peers", ())]
 
 
 def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
@@ -90,7 +91,8 @@ def swarm_seed(run: SystemRun, target: float) -> dict[str, Any]:
         "averaging_memory_ratio": max(memory) if memory else None,
         "device_busy_fraction": statistics.mean(busy) if busy else None,
         "final_val_loss": [last_value(log, "val_loss") for log in logs],
-        # every peer here is honest: one left out or banned by another is the defence's mistake
+        # every peer here is honest: one banned, or left out for its updates, by another is
+        # the defence's mistake
         "left_out": [sorted({n for r in log for n in blamed(r)}) for log in logs],
         "errors": run.errors(),
     }

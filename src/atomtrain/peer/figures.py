@@ -9,6 +9,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from atomtrain.peer.exclusion import for_its_updates
+
 if TYPE_CHECKING:
     from atomtrain.peer.averaging import RoundResult
     from atomtrain.peer.runtime import PeerRuntime
@@ -76,6 +78,8 @@ def note_rejections(peer: PeerRuntime, record: dict[str, Any]) -> None:
         other = named.get(other, other)
         log.warning("left %s out of rounds for a while: it %s", other, why)
         record.setdefault("stalled_peers", []).append(other)
+        if for_its_updates(why):
+            record.setdefault("left_out_for_updates", []).append(other)
     for name, peer_id, cosine, lean in averager.agreements():  # the update rules' readings
         log.debug("%s's update against this peer's: cosine %.3f, lean %.3f", name, cosine, lean)
         lean_kept = round(lean, 4) if math.isfinite(lean) else None

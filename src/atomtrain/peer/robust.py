@@ -36,7 +36,8 @@ agrees with its own (their cosine, `RobustRunner`'s `on_agreement`): a member wh
 against this one's round after round, or far against it once, is left out for a while
 (exclusion.py, OPPOSED_COSINE, STRONGLY_OPPOSED_COSINE), though clipping already bounds what it
 moves each round; so is one whose update, less its component along this one's, leans one way (what
-is left summed over its absolute sum, `leans`, exclusion.LEAN: "a little is enough" moves every
+is left summed over its absolute sum, and that less the same of this one's update against its,
+halved, where both lean the same way, `leans`, exclusion.LEAN: "a little is enough" moves every
 coordinate the same way, where what is left of an honest update is noise), and one whose update
 follows this one's little, far less than another member's does (`peer.follow_ratio`: a member
 training on poisoned data). A member that brings
@@ -76,6 +77,7 @@ from atomtrain.peer.bounds import (
     returned_pair_lie,
 )
 from atomtrain.peer.exact import ExactAverageRunner
+from atomtrain.peer.exclusion import LEAN_MEMBERS
 from atomtrain.peer.sync import lower_median
 
 
@@ -245,23 +247,40 @@ class RobustReducer(TensorPartReducer):
         squares = stacked.pow(2).sum(dim=1).tolist()
         own2 = squares[own]
         # each part less its component along ours: what a difference in size (a slower peer,
-        # one just re-synchronized) leaves is the noise, which leans no way
+        # one just re-synchronized) leaves is the noise, which leans no way; and ours less its
+        # component along each part, which leans as much the other way where both share a
+        # direction that leans (what our own noise keeps of it, taken out with ours), and the
+        # opposite way to a part moved all one way ("a little is enough")
         # (a part all along ours, flipped or equal, leaves only rounding: nothing to read)
-        leaning = [(0.0, 0.0)] * len(senders)
-        if own2 > 0:
-            apart = stacked - (dot_products / own2).unsqueeze(1) * stacked[own]
-            size = apart.abs().sum(dim=1)
-            read = size > 1e-9 * stacked.abs().sum(dim=1)
-            sums = torch.where(read, apart.sum(dim=1), 0.0).tolist()
-            leaning = list(zip(sums, torch.where(read, size, 0.0).tolist(), strict=True))
-        for i, dot, square, (lean, size) in zip(senders, dots, squares, leaning, strict=True):
+        # (in a pair, no lean is read: what tells two honest updates apart can lean both ways
+        # alike, and leaving the other out stops every round: exclusion.LEAN_MEMBERS)
+        leaning = [(0.0, 0.0, 0.0, 0.0)] * len(senders)
+        if own2 > 0 and len(senders) >= LEAN_MEMBERS:
+            mine = stacked[own]
+            apart = stacked - (dot_products / own2).unsqueeze(1) * mine
+            theirs = torch.tensor(squares, dtype=torch.float64)
+            scale = torch.where(theirs > 0, dot_products / theirs.clamp_min(1e-300), 0.0)
+            back = mine - scale.unsqueeze(1) * stacked
+            size, back_size = apart.abs().sum(dim=1), back.abs().sum(dim=1)
+            read = (size > 1e-9 * stacked.abs().sum(dim=1)) & (theirs > 0)
+            read &= back_size > 1e-9 * mine.abs().sum()
+            leaning = list(
+                zip(
+                    torch.where(read, apart.sum(dim=1), 0.0).tolist(),
+                    torch.where(read, size, 0.0).tolist(),
+                    torch.where(read, back.sum(dim=1), 0.0).tolist(),
+                    torch.where(read, back_size, 0.0).tolist(),
+                    strict=True,
+                )
+            )
+        for i, dot, square, lean in zip(senders, dots, squares, leaning, strict=True):
             if i != self.own_sender:
-                sums = self.agreement.setdefault(i, [0.0] * 5)
+                sums = self.agreement.setdefault(i, [0.0] * 7)
                 sums[0] += dot
                 sums[1] += square
                 sums[2] += own2
-                sums[3] += lean
-                sums[4] += size
+                for k, x in enumerate(lean):
+                    sums[3 + k] += x
 
     def cosines(self) -> dict[int, float]:
         """Per sender, the cosine of its update parts of this span with this reducer's own."""
@@ -269,19 +288,26 @@ class RobustReducer(TensorPartReducer):
         return {i: dot / math.sqrt(a * b) for i, (dot, a, b, *_) in sums if a > 0 and b > 0}
 
     def leans(self) -> dict[int, float]:
-        """Per sender, how far its update parts of this span lean one way once their component
-        along this reducer's own is taken out (part by part): their sum over their absolute
-        sum, times how much is left (the sine of the angle between its parts and ours over the
-        span), in [-1, 1]. What is left of an honest update is noise, up about as often as
-        down, whatever its size against ours; "a little is enough" moves every coordinate the
-        same way. An update nearly along ours leaves little to read, and what little there is
-        can lean one way on its own (two honest peers early in training, cosine 0.9: 0.26 before
-        the sine's 0.4), so the sine weighs it down (exclusion.LEAN has the figures)."""
+        """Per sender, how far its update parts of this span lean one way, read two ways; the
+        lesser where both lean the same way, else 0; in [-1, 1]. One: its parts less their
+        component along this reducer's own (part by part), summed over their absolute sum. The
+        other: that, less the same of this reducer's own parts against the sender's, halved.
+        What is left of an honest update is noise, up about as often as down, whatever its
+        size against ours; but where two updates share a direction that leans one way, what our
+        own noise keeps of it is taken out with ours, and what is left of theirs leans with it
+        (two honest peers early in training read 0.26 at cosine 0.92, bench scaling --quick),
+        while what is left of ours leans the same way, so the second reading cancels it; where
+        one member trained more steps than the other, the second leans instead (0.18 there),
+        and the first less. "A little is enough" moves every coordinate the same way: what is
+        left of it leans that way, what is left of ours the other, and both readings lean far
+        (exclusion.LEAN has the figures)."""
         out = {}
-        for i, (dot, a, b, lean, size) in self.agreement.items():
-            if size > 0 and a > 0 and b > 0:
-                cosine = min(abs(dot) / math.sqrt(a * b), 1.0)
-                out[i] = lean / size * math.sqrt(1.0 - cosine * cosine)
+        for i, (*_, lean, size, back, back_size) in self.agreement.items():
+            if size > 0 and back_size > 0:
+                one_way = lean / size
+                against_ours = (one_way - back / back_size) / 2
+                lesser = math.copysign(min(abs(one_way), abs(against_ours)), one_way)
+                out[i] = lesser if one_way * against_ours > 0 else 0.0
         return out
 
     def _radius(self, parts: dict[int, torch.Tensor], numel: int) -> tuple[float, torch.Tensor]:
