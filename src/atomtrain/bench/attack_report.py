@@ -193,10 +193,10 @@ def agreement(run: SwarmRun, threshold: float) -> dict[str, Any]:
 
 
 def _lean(rest: list[Any]) -> float | None:
-    """A reading's lean (metrics' fourth field, robust.RobustReducer.leans: read two ways since
-    the fix of b3a5986, one way (less the component along the reader's update) from 8d7317d to
-    0f3e718, times the sine of the angle at b3a5986, the plain difference at e37b844 and
-    c7f7c2a; None where not read)."""
+    """A reading's lean (metrics' fourth field, robust.RobustReducer.leans: read two ways, and
+    none in a pair, since 0bb4806; one way (less the component along the reader's update) from
+    8d7317d to 0f3e718, times the sine of the angle at b3a5986; the plain difference at e37b844
+    and c7f7c2a; None where not read)."""
     return float(rest[0]) if rest and rest[0] is not None else None
 
 

@@ -97,10 +97,12 @@ within 0.019 of 0 in 432 readings over three runs (one member training 5 steps a
 others' 25; two training 1 step; another seed), bench attack's ALIE (made from the attacker's own
 update) -0.42 to -0.70, and ALIE made from the honest updates' mean and spread -0.47 to -0.89 at z
 = 1 (three runs), -0.32 to -0.87 at z = 0.5. Untested: members training on different data (set
-`peer.lean` to 0 where honest peers do), the 4-bit codec, larger models. What it cannot see: an
-ALIE whose shifts balance up and down over each span (a fixed pattern of signs) or a far smaller z
-leans too little; the first moves the average as far as a push clipped at the radius (about one
-update over N each round) and no rule here names it, the second moves it z times less."""
+`peer.lean` to 0 where honest peers do), the 4-bit codec, larger models, and in a group of three
+or more early in training an honest peer that trained far more steps than the others (the pairs'
+mistake, LEAN_MEMBERS). What it cannot see: ALIE in a pair (LEAN_MEMBERS: clipping alone bounds
+it there); an ALIE whose shifts balance up and down over each span (a fixed pattern of signs)
+leans no way and moves the average as far as a push clipped at the radius (about one update over
+N each round), named by no rule here; a far smaller z leans less, and moves it z times less."""
 LEAN_MEMBERS = 3
 """Leans are read only in a span with this many members' parts or more (the reader's own among
 them). In a pair, what tells two honest updates apart can lean both ways alike: where one peer

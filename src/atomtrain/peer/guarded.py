@@ -196,6 +196,20 @@ class GuardedAverager(DecentralizedAverager):
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """As hivemind's, which calls `finalize` on each running group's future rather than on
+        its runner (hivemind 1.1.12: an AttributeError and a traceback at exit whenever a round
+        was in flight, as when a peer stops at its target): a started round's runner is
+        cancelled, a group not yet started loses its future. Nothing is waited for: `finalize`
+        cancels in place."""
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for started in list(self._running_groups.values()):
+            if started.done() and not started.cancelled() and started.exception() is None:
+                started.result().finalize(cancel=True)
+            else:
+                started.cancel()
+
     def get_current_state(self):
         metadata, tensors = self._provider()
         return metadata, tensors, None

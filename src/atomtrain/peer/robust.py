@@ -248,9 +248,9 @@ class RobustReducer(TensorPartReducer):
         own2 = squares[own]
         # each part less its component along ours: what a difference in size (a slower peer,
         # one just re-synchronized) leaves is the noise, which leans no way; and ours less its
-        # component along each part, which leans as much the other way where both share a
-        # direction that leans (what our own noise keeps of it, taken out with ours), and the
-        # opposite way to a part moved all one way ("a little is enough")
+        # component along each part, which leans the same way as theirs where both share a
+        # direction that leans (what each one's noise keeps of it is taken out with it), and
+        # the other way against a part moved all one way ("a little is enough")
         # (a part all along ours, flipped or equal, leaves only rounding: nothing to read)
         # (in a pair, no lean is read: what tells two honest updates apart can lean both ways
         # alike, and leaving the other out stops every round: exclusion.LEAN_MEMBERS)
@@ -296,9 +296,10 @@ class RobustReducer(TensorPartReducer):
         size against ours; but where two updates share a direction that leans one way, what our
         own noise keeps of it is taken out with ours, and what is left of theirs leans with it
         (two honest peers early in training read 0.26 at cosine 0.92, bench scaling --quick),
-        while what is left of ours leans the same way, so the second reading cancels it; where
-        one member trained more steps than the other, the second leans instead (0.18 there),
-        and the first less. "A little is enough" moves every coordinate the same way: what is
+        while what is left of ours leans the same way, so the second reading cancels it. Where
+        one of two trained more steps than the other in such a direction, both readings can
+        lean, from each side (0.29 and -0.23 in a pair there: none is read in a pair,
+        exclusion.LEAN_MEMBERS). "A little is enough" moves every coordinate the same way: what is
         left of it leans that way, what is left of ours the other, and both readings lean far
         (exclusion.LEAN has the figures)."""
         out = {}
