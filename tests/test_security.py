@@ -1875,7 +1875,7 @@ def test_the_reducer_measures_how_far_each_members_update_leans_one_way_from_its
     honest = torch.stack([own, other, shared + noise(0.6), shared + noise(0.6)])
     alie = honest.mean(0) - honest.std(0)  # z = 1, as attack.ALIE_Z
     up = honest.mean(0) + honest.std(0)  # the same, every coordinate up
-    slow = 0.1 * shared + noise(0.06)  # a tenth of the steps
+    slow = 0.1 * shared + noise(0.6 * 0.1**0.5)  # a tenth of the steps: noisier for its size
 
     def one_way(x: torch.Tensor, y: torch.Tensor) -> float:
         apart = x - (x * y).sum(1, keepdim=True) / y.pow(2).sum(1, keepdim=True) * y
@@ -1934,6 +1934,28 @@ def test_the_reducer_measures_how_far_each_members_update_leans_one_way_from_its
 
     alone = asyncio.run(pair())
     assert alone.leans() == {} and set(alone.cosines()) == {1} and LEAN_MEMBERS == 3
+
+
+def test_a_lean_is_the_lesser_of_its_two_readings_where_both_lean_the_same_way_else_0():
+    """(dot, theirs squared, ours squared, what is left of theirs summed, its absolute sum, what
+    is left of ours summed, its absolute sum), per member, over a span: one way is the fourth
+    over the fifth; against ours, that less the sixth over the seventh, halved."""
+    from atomtrain.peer.robust import RobustReducer
+
+    async def made() -> RobustReducer:  # (its futures need an event loop)
+        return RobustReducer(
+            [torch.Size([4])], ["delta"], [1.0] * 6, 0, Defence(), [False] * 6, lambda *_: None
+        )
+
+    reducer = asyncio.run(made())
+    reducer.agreement = {
+        1: [1.0, 1.0, 1.0, -0.6, 1.0, 0.2, 1.0],  # ALIE's signature: -0.6 and -0.4
+        2: [1.0, 1.0, 1.0, 0.6, 2.0, 0.2, 1.0],  # a shared direction that leans: +0.3, +0.05
+        3: [1.0, 1.0, 1.0, 0.3, 1.0, 0.5, 1.0],  # ours leans further: +0.3 and -0.1, no lean
+        4: [1.0, 1.0, 1.0, -0.2, 1.0, 0.6, 1.0],  # -0.2 and -0.4
+        5: [1.0, 1.0, 1.0, 0.0, 0.0, 0.1, 1.0],  # theirs not read (in a pair, say)
+    }
+    assert reducer.leans() == pytest.approx({1: -0.4, 2: 0.05, 3: 0.0, 4: -0.2})
 
 
 def test_a_member_whose_update_leans_one_way_in_a_rounds_reading_is_left_out_as_it_ends():

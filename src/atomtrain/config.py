@@ -207,8 +207,8 @@ class PeerSection:
     """With `defend`: leave out for a while a member whose update, less its component along this
     peer's, leans one way by this much in a round's reading (its sum over its absolute sum, and
     that less the same of this peer's update against the member's, halved: the lesser where
-    both lean the same way; "a little is enough" moves every coordinate the same way, honest
-    updates differ by noise). At
+    both lean the same way, else none; "a little is enough" moves every coordinate the same way,
+    honest updates differ by noise; not read in a pair). At
     least 0.1, at most 1; 0 turns it off (peer/exclusion.py, LEAN)."""
     attack: str = ""
     """Attack benchmark only: poison this peer's contributions (nan, scale, noise, stale,

@@ -257,8 +257,9 @@ class ExactAverageRunner(CountedRunner):
         late (its own process slow to start the round) has begun by then: its parts came too late
         to count, but it did not stall the round. (Named at once, an honest peer on a loaded
         machine was left out of the next two rounds as if it had.) Where the group's leader is
-        silent too, only the leader is named (silent_members)."""
-        if not self._future.done():
+        silent too, only the leader is named (silent_members). A round cancelled (this peer
+        shutting down: GuardedAverager._shutdown) names no one."""
+        if not self._future.done() and not kwargs.get("cancel"):
             self.ended_at = time.monotonic()
             silent = [p for p in self._silent() if p not in self._unheard]
             for peer_id in silent_members(silent, self._leader):

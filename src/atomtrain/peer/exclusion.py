@@ -85,13 +85,16 @@ is taken out with its own update, so what is left of the member's leans with it:
 of `bench scaling --quick` (the tiny model, 10 steps a round) read 0.2565 one way, cosine 0.92,
 in their second round, and the one left out, their rounds stopped (79 readings over four runs at
 0f3e718, up to 0.26; CI failed). What is left of this peer's update then leans the same way, so
-the second reading cancels it; where one of the two trained more steps in the round, the second
-leans instead (up to 0.18 in 52 readings over three runs of the quick bench with it alone) and
-the first less. "A little is enough" (ALIE, Baruch et al. 2019) moves every coordinate z spreads
+the second reading cancels it. Where one of the two trained more steps in the round, in such a
+direction, both can lean (the second alone read up to 0.18 in 52 readings over three quick runs;
+with both, the lesser, up to 0.29 in 46 over three more): in a pair no lean is read
+(LEAN_MEMBERS). "A little is enough" (ALIE, Baruch et al. 2019) moves every coordinate z spreads
 the same way, inside the honest range, so its cosine with an honest update reads as a weak honest
 member's (at most 0.49-0.56 in bench attack, honest pairs' at most 0.65-0.73, both lower in some
 spans) and names it by no other rule at once; what is left of it leans that way, what is left of
-ours the other, and both readings lean far. `scripts/measure_lean.py` (bench attack's model, data
+ours the other, and both readings lean far where honest updates share no leaning direction (early
+in training, where they do, the first reads less: an ALIE of z = 0.5 read -0.12 to -0.22 in a
+review's simulation, under the bar). `scripts/measure_lean.py` (bench attack's model, data
 and learning rate, 3 honest members, 6 rounds, every span read by every member) read honest leans
 within 0.019 of 0 in 432 readings over three runs (one member training 5 steps a round against the
 others' 25; two training 1 step; another seed), bench attack's ALIE (made from the attacker's own
@@ -113,7 +116,12 @@ second left the first out, and their rounds stopped; 0.22 and 0.21 in two more o
 the commit before this rule). Leaving the only other member out stops every round, and in a pair
 clipping bounds what either moves (robust.RobustReducer: a pair's parts scaled to at most `clip`
 times the smaller's size); the follow rule, which needs another member to compare with, does not
-judge pairs either."""
+judge pairs either. A group of three or more reads each member against the reader's own update
+all the same, consulting no third member: an honest peer that trained far more steps than the
+reader, early in training, could read as leaning there too (a review's simulation: 0.10 to 0.19
+at up to 10 times the steps, under the bar; not seen in bench attack's swarms of 3 and 4). And
+where an attacker meets an honest peer alone (open swarms, whose quorum is 2, or a third member
+out of sync), its lean is not read."""
 OPPOSED_EXCLUSION_ROUNDS = 16
 """A member left out for opposing updates is left out of this peer's next this many rounds (times
 2 to the power of the other exclusions it is still remembered for, exclusion_rounds), not

@@ -126,7 +126,8 @@ class RobustReducer(TensorPartReducer):
         # a sender whose part is only far too large: left out for a while, not banned
         self.on_doubt: Callable[[int, str], None] = on_reject
         # per sender, over this round's update parts: (its part . ours, |its part|^2, |ours|^2,
-        # and, of its part less its component along ours, the sum and the absolute sum)
+        # of its part less its component along ours the sum and the absolute sum, and of ours
+        # less its component along its part the same; the last four only where leans are read)
         self.agreement: dict[int, list[float]] = {}
         super().__init__(part_shapes, len(weights))
 
