@@ -73,39 +73,39 @@ median -0.03) read -0.53 once in 88 readings (docs/bench-attack-rerun-a4f65b9.js
 Untested, as for OPPOSED_COSINE: members training on different data, larger swarms, the 4-bit
 codec."""
 LEAN = 0.25
-"""A member whose update leans one way by this much in a round's reading (robust.RobustReducer.
-leans, either sign; the least of the round's tries, judged once the round is over) is left out by
-that reading. The default of `peer.lean` (0: no such rule). The lean is read two ways, and the
-lesser counts where both lean the same way (else 0): the member's update less its component along
-this peer's own, summed over its absolute sum (one way); and that less the same of this peer's
-update against the member's, halved (against ours). What is left of an honest update is mostly
-noise, up about as often as down, whatever the two updates' sizes; but two honest updates share a
-direction, and where it leans itself (early in training), what this peer's own noise keeps of it
-is taken out with its own update, so what is left of the member's leans with it: two honest peers
-of `bench scaling --quick` (the tiny model, 10 steps a round) read 0.2565 one way, cosine 0.92,
-in their second round, and the one left out, their rounds stopped (79 readings over four runs at
-0f3e718, up to 0.26; CI failed). What is left of this peer's update then leans the same way, so
-the second reading cancels it. Where one of the two trained more steps in the round, in such a
+"""A member whose update leans one way by this much in a round's reading
+(robust.RobustReducer.leans, either sign; the least of the round's tries, judged once the round is
+over) is left out by that reading. The default of `peer.lean` (0: no such rule). The lean is read
+two ways, and the lesser counts where both lean the same way (else 0): the member's update less its
+component along this peer's own, summed over its absolute sum (one way); and that less the same of
+this peer's update against the member's, halved (against ours). What is left of an honest update is
+mostly noise, up about as often as down, whatever the two updates' sizes; but two honest updates
+share a direction, and where it leans itself (early in training), what this peer's own noise keeps
+of it is taken out with its own update, so what is left of the member's leans with it: two honest
+peers of `bench scaling --quick` (the tiny model, 10 steps a round) read 0.2565 one way, cosine
+0.92, in their second round, and with the other left out their rounds stopped (79 readings over four
+runs at 0f3e718, up to 0.26; CI failed). What is left of this peer's update then leans the same way,
+so the second reading cancels it. Where one of the two trained more steps in the round, in such a
 direction, both can lean (the second alone read up to 0.18 in 52 readings over three quick runs;
-with both, the lesser, up to 0.29 in 46 over three more): in a pair no lean is read
-(LEAN_MEMBERS). "A little is enough" (ALIE, Baruch et al. 2019) moves every coordinate z spreads
-the same way, inside the honest range, so its cosine with an honest update reads as a weak honest
-member's (at most 0.49-0.56 in bench attack, honest pairs' at most 0.65-0.73, both lower in some
-spans) and names it by no other rule at once; what is left of it leans that way, what is left of
-ours the other, and both readings lean far where honest updates share no leaning direction (early
-in training, where they do, the first reads less: an ALIE of z = 0.5 read -0.12 to -0.22 in a
-review's simulation, under the bar). `scripts/measure_lean.py` (bench attack's model, data
-and learning rate, 3 honest members, 6 rounds, every span read by every member) read honest leans
-within 0.019 of 0 in 432 readings over three runs (one member training 5 steps a round against the
-others' 25; two training 1 step; another seed), bench attack's ALIE (made from the attacker's own
-update) -0.42 to -0.70, and ALIE made from the honest updates' mean and spread -0.47 to -0.89 at z
-= 1 (three runs), -0.32 to -0.87 at z = 0.5. Untested: members training on different data (set
-`peer.lean` to 0 where honest peers do), the 4-bit codec, larger models, and in a group of three
-or more early in training an honest peer that trained far more steps than the others (the pairs'
-mistake, LEAN_MEMBERS). What it cannot see: ALIE in a pair (LEAN_MEMBERS: clipping alone bounds
-it there); an ALIE whose shifts balance up and down over each span (a fixed pattern of signs)
-leans no way and moves the average as far as a push clipped at the radius (about one update over
-N each round), named by no rule here; a far smaller z leans less, and moves it z times less."""
+with both, the lesser, up to 0.29 in 36 over three more): in a pair no lean is read (LEAN_MEMBERS).
+"A little is enough" (ALIE, Baruch et al. 2019) moves every coordinate z spreads the same way,
+inside the honest range, so its cosine with an honest update reads as a weak honest member's (at
+most 0.49-0.56 in bench attack, honest pairs' at most 0.65-0.73, both lower in some spans) and names
+it by no other rule at once; what is left of it leans that way, what is left of ours the other, and
+both readings lean far where honest updates share no leaning direction (early in training, where
+they do, the first reads less: an ALIE of z = 0.5 read -0.12 to -0.22 in a review's simulation,
+under the bar). `scripts/measure_lean.py` (bench attack's model, data and learning rate, 3 honest
+members, 6 rounds, every span read by every member) read honest leans within 0.019 of 0 in 432
+readings over three runs (one member training 5 steps a round against the others' 25; two training 1
+step; another seed), bench attack's ALIE (made from the attacker's own update) -0.42 to -0.70, and
+ALIE made from the honest updates' mean and spread -0.47 to -0.89 at z = 1 (three runs), -0.32 to
+-0.87 at z = 0.5. Untested: members training on different data (set `peer.lean` to 0 where honest
+peers do), the 4-bit codec, larger models, and in a group of three or more early in training an
+honest peer that trained far more steps than the others (the pairs' mistake, LEAN_MEMBERS). What it
+cannot see: ALIE in a pair (LEAN_MEMBERS: clipping alone bounds it there); an ALIE whose shifts
+balance up and down over each span (a fixed pattern of signs) leans no way and moves the average as
+far as a push clipped at the radius (about one update over N each round), named by no rule here; a
+far smaller z leans less, and moves it z times less."""
 LEAN_MEMBERS = 3
 """Leans are read only in a span with this many members' parts or more (the reader's own among
 them). In a pair, what tells two honest updates apart can lean both ways alike: where one peer
