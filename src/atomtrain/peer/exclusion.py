@@ -119,7 +119,8 @@ times the smaller's size); the follow rule, which needs another member to compar
 judge pairs either. A group of three or more reads each member against the reader's own update
 all the same, consulting no third member: an honest peer that trained far more steps than the
 reader, early in training, could read as leaning there too (a review's simulation: 0.10 to 0.19
-at up to 10 times the steps, under the bar; not seen in bench attack's swarms of 3 and 4). And
+at up to 10 times the steps, under the bar; not seen in bench attack's swarms of 3 and 4, and
+within 0.12 of 0 in 30 readings of a 4-peer quick bench scaling run, groups of 3 and 4). And
 where an attacker meets an honest peer alone (open swarms, whose quorum is 2, or a third member
 out of sync), its lean is not read."""
 OPPOSED_EXCLUSION_ROUNDS = 16
