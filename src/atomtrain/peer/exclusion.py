@@ -162,14 +162,6 @@ FOLLOW_WHY = "sent updates that followed this peer's little"
 """How a member left out by the follow rule is named (its figures follow)."""
 LEAN_WHY = "sent an update that leans one way from this peer's"
 """How a member left out by the lean rule is named (its figure follows)."""
-
-
-def for_its_updates(why: str) -> bool:
-    """Whether a member was left out for what its updates read as (the opposing, follow and
-    lean rules: an attack's sign), not for stalling or for a part's size."""
-    return why.startswith(("sent an update ", "sent updates "))
-
-
 FOLLOW_WITHIN = 3
 """The readings whose medians are judged: one odd honest update among them names no one, and a
 member training on poisoned data is left out at its third reading."""
@@ -187,6 +179,12 @@ def exclusion_rounds(stalls: int, first: int = STALL_ROUNDS) -> int:
     """The rounds a member is left out of after its `stalls`-th remembered stall, the first of
     which left it out of `first`."""
     return first * 2 ** (min(max(stalls, 1), 32) - 1)
+
+
+def for_its_updates(why: str) -> bool:
+    """Whether a member was left out for what its updates read as (the opposing, follow and
+    lean rules: an attack's sign), not for stalling or for a part's size."""
+    return why.startswith(("sent an update ", "sent updates "))
 
 
 def stalls_remembered(stalls: int, rounds_since: int) -> int:

@@ -245,7 +245,8 @@ class RobustReducer(TensorPartReducer):
         stacked = torch.stack([parts[i].flatten() for i in senders]).double()
         dot_products = stacked @ stacked[own]
         dots = dot_products.tolist()
-        squares = stacked.pow(2).sum(dim=1).tolist()
+        theirs = stacked.pow(2).sum(dim=1)  # each part's |x|^2
+        squares = theirs.tolist()
         own2 = squares[own]
         # each part less its component along ours: what a difference in size (a slower peer,
         # one just re-synchronized) leaves is the noise, which leans no way; and ours less its
@@ -259,7 +260,6 @@ class RobustReducer(TensorPartReducer):
         if own2 > 0 and len(senders) >= LEAN_MEMBERS:
             mine = stacked[own]
             apart = stacked - (dot_products / own2).unsqueeze(1) * mine
-            theirs = torch.tensor(squares, dtype=torch.float64)
             scale = torch.where(theirs > 0, dot_products / theirs.clamp_min(1e-300), 0.0)
             back = mine - scale.unsqueeze(1) * stacked
             size, back_size = apart.abs().sum(dim=1), back.abs().sum(dim=1)
