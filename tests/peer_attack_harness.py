@@ -88,17 +88,28 @@ BARRIER_S = 120.0
 starting hivemind on 2 loaded cores took past 60 s once (CI)."""
 
 
-def barrier(work: Path, name: str, index: int) -> None:
+def barrier(
+    work: Path, name: str, index: int, meanwhile: Callable[[], None] = lambda: None
+) -> None:
     (work / f"{name}{index}").touch()
     deadline = time.time() + BARRIER_S
     while missing := [i for i in range(PEERS) if not (work / f"{name}{i}").exists()]:
         assert time.time() < deadline, f"barrier {name}: peers {missing} never came"
+        meanwhile()
         time.sleep(0.05)
 
 
 def honest_done(work: Path, r: int) -> bool:
     """Every honest peer has ended round `r`."""
     return all((work / f"done{r}_{i}").exists() for i in range(HONEST))
+
+
+def done_and_named(work: Path, r: int, least: int) -> bool:
+    """Every honest peer has ended round `r`, and at least `least` of them have named the
+    staller for it (a peer names a silent member at its reducer timeout, which may come after
+    its round ended: read_verdicts in main)."""
+    named = sum((work / f"named{r}_{i}").exists() for i in range(HONEST))
+    return honest_done(work, r) and named >= least
 
 
 TIMEOUT_S = 8.0
@@ -120,7 +131,8 @@ peers take part for the others), so the longer timeout costs nothing when nothin
 STALL_FROZEN_S = STALL_TIMEOUT_S + 2.0
 """How long `stall_leader`'s averager is frozen once in a group: past the round's timeout."""
 SILENT_FROZEN_S = STALL_TIMEOUT_S * 5 / 3 + 2.0
-"""How long `stall`'s averager is frozen once in a group, and silent (silent_member_patches):
+"""How long `stall`'s averager is frozen once in a group, and silent (silent_member_patches), at
+most (stalled_round wakes it once every honest peer has ended the round and named it):
 past the round's timeout plus the reducer timeout (2/3 of it), a bound on when the last honest
 member stops waiting for it. A member names a silent one at its reducer timeout counted from its
 own start of the all-reduce, which on a loaded machine came 3-6 s after the group formed (a
@@ -141,10 +153,18 @@ def stalled_round(
     frozen_s: float,
     honest_done: Callable[[], bool],
     after_s: float = 0.0,
+    woken: Callable[[], bool] = lambda: False,
 ) -> bool:
     """Join a group, then go silent: the averager's process frozen for `frozen_s`, `after_s`
     after the group was found. False: it found no group (left out by both honest peers, it stops
-    looking once they have ended their round), and so froze nothing."""
+    looking once they have ended their round), and so froze nothing.
+
+    The freeze, and the wait for its own round, end early once `woken()` (the honest peers have
+    ended the round and named it, named_by): nothing it does after that changes what they took
+    from it or named it for, and the next round's barrier waited for it otherwise (13-24 s a
+    round, idle, in each stall test). Its round is then cancelled; the averager's task for it
+    may run on until the round's timeout. Woken before it is named, it would answer a member's
+    ask that it is not in the group, and be spared (silent_member_patches)."""
     avg.start(
         lambda piece, out: out.copy_(delta[piece.offset : piece.offset + piece.numel]),
         1.0,
@@ -166,9 +186,14 @@ def stalled_round(
     if froze:
         time.sleep(after_s)
         os.kill(avg.averager.pid, signal.SIGSTOP)
-        time.sleep(frozen_s)
+        wake = time.monotonic() + frozen_s
+        while time.monotonic() < wake and not woken():
+            time.sleep(0.05)
         os.kill(avg.averager.pid, signal.SIGCONT)
     while not avg.done():
+        if woken():
+            avg.cancel()
+            return froze
         time.sleep(0.05)
     with contextlib.suppress(RoundFailed):
         avg.result()
@@ -343,14 +368,28 @@ def main() -> None:
         delta = poison(attack, honest_mean() if attack == "inflate" else delta)
         weight = claimed_tokens(attack, weight)
         rms_claim = 1e3 * float(delta.pow(2).mean().sqrt()) if attack == "inflate" else 0.0
-    rounds, rejected, stalled = [], [], []
+    rounds: list[dict] = []
+    rejected: list[tuple[str, str]] = []
+    stalled: list[tuple[str, str]] = []
+
+    def read_verdicts(r: int, since: int) -> None:
+        """An honest peer's verdicts read as they come, between rounds: once it has named the
+        staller for round `r` (in `stalled` past `since`), the staller may wake (named_by)."""
+        rejected.extend(avg.rejections())
+        stalled.extend(avg.stalls())
+        if any(name == "staller" for name, _ in stalled[since:]):
+            (work / f"named{r}_{index}").touch()
+
+    verdicts = lambda: None  # noqa: E731 (the last round's reader, for the next barrier)
     # late: named in its first, or never; forge_gather: one round more, so that a first round that
     # finds no group on a loaded machine still leaves the forged round and two after it
-    for r in range({"late": 2, "forge_gather": ROUNDS + 1}.get(attack, ROUNDS)):
+    last = {"late": 2, "forge_gather": ROUNDS + 1}.get(attack, ROUNDS) - 1
+    for r in range(last + 1):
         # the proof lives 30 s in the DHT (auth.PROOF_TTL_S); a peer re-stores it every 10 s: so
         # does each process here, before each round (a round after 30 s found no certificate)
         declare_member(dht, "atk", KEY, dht.peer_id, wait=True)
-        barrier(work, f"round{r}_", index)
+        barrier(work, f"round{r}_", index, verdicts)
+        since = len(stalled)
         if attack == "dht_overwrite" and r == 0:  # before the first round: every record over
             if index == ATTACKER:
                 own = Membership.of_owner(KEY, dht.peer_id.to_base58())
@@ -374,7 +413,9 @@ def main() -> None:
             time.sleep(LATE_S)
         if index == ATTACKER and attack == "stall_leader":
             done = partial(honest_done, work, r)
-            if stalled_round(avg, delta, STALL_FROZEN_S, done, ANNOUNCED_S):
+            # the member it told names it; the one never told has nothing to name it for
+            woken = done if r == last else partial(done_and_named, work, r, 1)
+            if stalled_round(avg, delta, STALL_FROZEN_S, done, ANNOUNCED_S, woken):
                 (work / f"froze{r}").touch()
             continue
         if index == ATTACKER and attack in ("stall", "late"):
@@ -385,7 +426,16 @@ def main() -> None:
                 # out for 2 rounds). That is open (issue 12); this test is the member that stalls
                 time.sleep(1.0)
             frozen_s = SILENT_FROZEN_S if attack == "stall" else SLOW_START_S
-            if stalled_round(avg, delta, frozen_s, partial(honest_done, work, r)):
+            done = partial(honest_done, work, r)
+            if r == last:  # the honest peers' outputs are written once they are done
+                woken = done
+            elif attack == "stall":  # named by every honest peer (each test asserts they do)
+                woken = partial(done_and_named, work, r, HONEST)
+            else:  # `late`, honest, named by no one, is never woken before its last round: its
+                # late all-reduce, on until the round's timeout, holds the averaged tensors'
+                # lock, and its next all-reduce would wait for it, later still
+                woken = lambda: False  # noqa: E731
+            if stalled_round(avg, delta, frozen_s, done, woken=woken):
                 (work / f"froze{r}").touch()  # in a group: the round it was meant to slow
             continue
         # peer 2, refused by peers that banned or left it out, would go on asking until its
@@ -403,13 +453,14 @@ def main() -> None:
         if index == ATTACKER:
             continue
         (work / f"done{r}_{index}").touch()
-        rejected += avg.rejections()
-        stalled += getattr(avg, "stalls", list)()
+        read_verdicts(r, since)
+        verdicts = partial(read_verdicts, r, since)
     # the last round may still need this peer after its own end: its averages on their way to the
     # others, its audit verdicts. Gone at once, it failed an honest peer's last round now and then
     # ("sent not all its averages": CI, test_a_member_that_writes_over_others_dht_records...)
     deadline = time.time() + BARRIER_S
     while not honest_done(work, r) and time.time() < deadline:
+        verdicts()
         time.sleep(0.05)
     if (
         attack == "withhold" and index < ATTACKER
