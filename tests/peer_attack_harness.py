@@ -64,9 +64,10 @@ HONEST = int(os.environ.get("ATTACK_HONEST", "2"))
 ATTACKER = HONEST
 """The attacker's index (the honest peers' come before it)."""
 PEERS = HONEST + 1
-ROUNDS = 3
+ROUNDS = int(os.environ.get("ATTACK_ROUNDS", "3"))
 """The first with the attacker; by the last every honest peer has caught it and they average
-together (one that missed it in the first round catches it in the second)."""
+together (one that missed it in the first round catches it in the second). Fewer (ATTACK_ROUNDS)
+where a test only shows that an undefended swarm takes the poison in."""
 KEY = SwarmKey(bytes(range(32)))
 
 
