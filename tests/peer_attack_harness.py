@@ -4,14 +4,16 @@
 
 Three peers share a swarm key; peer 2 poisons its update with ATTACK (with ATTACK_HONEST=N in
 the environment, N honest peers and peer N attacking: "peer 2" below is that one). All start
-each of three rounds together (file barriers; peer 2 stops looking for a group once the honest
-peers' round has ended) and save what each round gave them to WORKDIR/out{INDEX}.pt. With
+each of three rounds (ATTACK_ROUNDS) together (file barriers; peer 2 stops looking for a group
+once the honest peers' round has ended) and save what each round gave them to
+WORKDIR/out{INDEX}.pt. With
 `inflate`, peer 2 sends the honest peers' mean pushed far in one direction (peer/attack.py), and
 claims a million times the others' tokens and a thousand times their update size. With `stall`,
 peer 2 freezes its averager process (SIGSTOP) as soon as its group is found, every round, for
-longer than the round's timeout, and never sends that group its parts (silent_member_patches).
-With `late`, peer 2 is honest but slow: its averager's process freezes as its group is found for
-longer than the sender timeout, not the reducer's, every round.
+longer than the round's timeout unless every honest peer has named it (stalled_round), and never
+sends that group its parts (silent_member_patches). With `late`, peer 2 is honest but slow: its
+averager's process freezes as its group is found for longer than the sender timeout, not the
+reducer's, every round but the last (there, only until the honest peers have ended it).
 With `forge_gather`, peer 2 trains honestly, starts each round
 first (so it leads) and sends its followers another member's metadata rewritten. With
 `lying_reducer` (or `lying_reducer_far`: 20 typical updates, past what members accept), peer 2
@@ -130,10 +132,13 @@ FORGE_TIMEOUT_S = STALL_TIMEOUT_S
 caches on 2 loaded cores, once found no group within 8 s (CI). Its rounds end early (the honest
 peers take part for the others), so the longer timeout costs nothing when nothing is slow."""
 STALL_FROZEN_S = STALL_TIMEOUT_S + 2.0
-"""How long `stall_leader`'s averager is frozen once in a group: past the round's timeout."""
+"""How long `stall_leader`'s averager is frozen once in a group: past the round's timeout (at
+most: stalled_round wakes it once the honest peers have ended the round and the member it told
+has named it, and in its last round once they have ended it)."""
 SILENT_FROZEN_S = STALL_TIMEOUT_S * 5 / 3 + 2.0
 """How long `stall`'s averager is frozen once in a group, and silent (silent_member_patches), at
-most (stalled_round wakes it once every honest peer has ended the round and named it):
+most (stalled_round wakes it once every honest peer has ended the round and named it, and in its
+last round once they have ended it):
 past the round's timeout plus the reducer timeout (2/3 of it), a bound on when the last honest
 member stops waiting for it. A member names a silent one at its reducer timeout counted from its
 own start of the all-reduce, which on a loaded machine came 3-6 s after the group formed (a
@@ -161,8 +166,9 @@ def stalled_round(
     looking once they have ended their round), and so froze nothing.
 
     The freeze, and the wait for its own round, end early once `woken()` (the honest peers have
-    ended the round and named it, named_by): nothing it does after that changes what they took
-    from it or named it for, and the next round's barrier waited for it otherwise (13-24 s a
+    ended the round and named it, done_and_named; in its last round, once they have ended it, for
+    they read no verdict after that): nothing it does after that changes what they took from it
+    or named it for, and the next round's barrier waited for it otherwise (13-24 s a
     round, idle, in each stall test). Its round is then cancelled; the averager's task for it
     may run on until the round's timeout. Woken before it is named, it would answer a member's
     ask that it is not in the group, and be spared (silent_member_patches)."""
@@ -239,10 +245,12 @@ def stall_leader_patches() -> None:
 def silent_member_patches() -> None:
     """`stall`'s averager (forked from this process): in a group, it checks the group as any
     member does and then sends none of its parts, not even late, until SILENT_FROZEN_S have
-    passed; only then does it say it is not in the group. Frozen (SIGSTOP) alone, it sent its
-    parts or said so as it woke, and a member whose all-reduce had started late still waited
-    then and spared it: that evasion is open (issue 12), and this test is the staller that stays
-    silent."""
+    passed or it is woken (stalled_round); only then does it say, when asked, that it is not in
+    the group. Frozen (SIGSTOP) alone, it sent its parts or said so as it woke, and a member
+    whose all-reduce had started late still waited then and spared it: that evasion is open
+    (issue 12; so is a staller that wakes as soon as the honest peers' round has ended, before
+    they named it, and says so: woken so, it was named by no one in three rounds, each landing
+    by its redo about a second late), and this test is the staller that stays silent."""
     from hivemind.averaging.allreduce import AllreduceException
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
@@ -375,7 +383,7 @@ def main() -> None:
 
     def read_verdicts(r: int, since: int) -> None:
         """An honest peer's verdicts read as they come, between rounds: once it has named the
-        staller for round `r` (in `stalled` past `since`), the staller may wake (named_by)."""
+        staller for round `r` (in `stalled` past `since`), the staller may wake (done_and_named)."""
         rejected.extend(avg.rejections())
         stalled.extend(avg.stalls())
         if any(name == "staller" for name, _ in stalled[since:]):
@@ -469,7 +477,7 @@ def main() -> None:
         deadline = time.monotonic() + TIMEOUT_S  # ask after it passed: wait out the last ask
         while not stalled and time.monotonic() < deadline:
             time.sleep(0.1)
-            stalled += avg.stalls()
+            verdicts()  # (stalls() is filled by rejections(): both read)
     if index < ATTACKER:
         torch.save(
             {"rounds": rounds, "rejected": rejected, "stalled": stalled}, work / f"out{index}.pt"

@@ -1254,12 +1254,15 @@ def test_a_staller_that_leads_and_tells_one_member_is_the_only_one_named(tmp_pat
 
 
 def test_a_member_that_starts_its_rounds_late_is_not_named_a_staller(tmp_path: Path):
-    """Peer 2 is honest but slow: each round, its averager starts the all-reduce past the
-    others' sender timeout, though well within the round. Its parts come too late to count (a
-    round with it lands, or fails its probe check), but it is no staller: no honest peer names
+    """Peer 2 is honest but slow: in its first round, its averager starts the all-reduce past
+    the others' sender timeout, though well within the round. Its parts come too late to count
+    (a round with it lands, or fails its probe check), but it is no staller: no honest peer names
     it or leaves it out. (Named as soon as the sender timeout passed, it was left out for two
     rounds: on a loaded machine, an honest peer slow to start once lost the next rounds with
-    it, and its partner one of them.)"""
+    it, and its partner one of them.) Its second round is the harness's last: the honest peers
+    read no verdict after they have ended it, and one at the reducer timeout would come later,
+    so it is woken as they end it (peer_attack_harness.stalled_round); it is there for a first
+    round that found no group."""
     outs = run_round(tmp_path, "late", defend=True)
     assert list((tmp_path / "late-defended").glob("froze*")), "peer 2 was never late in a group"
     for out in outs.values():
