@@ -52,6 +52,7 @@ from atomtrain.peer.exclusion import (
     FOLLOW_COSINE,
     FOLLOW_FLOOR,
     FOLLOW_RATIO,
+    FOLLOW_REFERENCE_ROUNDS,
     FOLLOW_WHY,
     FOLLOW_WITHIN,
     FORGIVE_ROUNDS,
@@ -2025,8 +2026,11 @@ def test_a_member_whose_update_follows_ours_little_is_left_out_as_the_round_ends
     one is named for one odd reading among three, nor where every member follows this peer's
     update weakly (members on different data: the ratio), nor where the closest member follows
     far more than any honest update does (a colluder: the cosine), nor from a try where no other
-    member reaches FOLLOW_FLOOR (this peer's own update follows no one), nor read alone; two
-    colluders cannot shield each other by pulling a median down. `follow` 0 turns it off."""
+    member reaches FOLLOW_FLOOR (this peer's own update follows no one); two colluders cannot
+    shield each other by pulling a median down. A member read alone (a pair) is compared with
+    the closest member of this peer's latest try that had one reaching FOLLOW_FLOOR, in this
+    round or FOLLOW_REFERENCE_ROUNDS before (the sybil of LN5 met in pairs), never an older one.
+    `follow` 0 turns it off."""
     named: list[tuple[str, str, int]] = []
     ledger = LeftOut(lambda peer, why, kind: None, lambda peer: False)
     stall = ledger.stall
@@ -2061,10 +2065,27 @@ def test_a_member_whose_update_follows_ours_little_is_left_out_as_the_round_ends
     for _ in range(5):
         round_({"colluder": 0.95, "honest": 0.25})
     # this peer's own update follows no one (just re-synchronized), or a member read alone
+    # with no recent try to compare it with
     for _ in range(5):
         round_({"a": 0.05, "b": 0.15, "c": -0.02}, {"alone": 0.0})
     round_()
     assert not named and FOLLOW_FLOOR > 0.15
+    # read alone, in this round or the one after a try in company: judged against that try
+    for _ in range(FOLLOW_WITHIN):
+        round_({"h": 0.6, "k": 0.5}, {"pair": -0.05})
+        round_({"lone": 0.02})
+    round_()
+    assert sorted(peer for peer, _, _ in named) == ["lone", "pair"]
+    assert FOLLOW_REFERENCE_ROUNDS == 1 and OPPOSED_COSINE < -0.05
+    named.clear()
+    # ...but not against an older one
+    round_({"h": 0.6})
+    for _ in range(FOLLOW_WITHIN):
+        for _ in range(FOLLOW_REFERENCE_ROUNDS):
+            round_()
+        round_({"late": 0.0})
+    round_()
+    assert not named
     # two colluders pulling the others' median down are still read against the honest member
     for _ in range(FOLLOW_WITHIN):
         round_({"h": 0.6, "f1": -0.25, "f2": -0.25})
@@ -2102,9 +2123,10 @@ def test_a_member_let_back_in_after_it_was_left_out_for_its_updates_is_on_probat
     """Once let back in, a member left out for not following is left out again on one reading
     under the follow bars in its first round back, for twice as long, and one left out for
     opposing on one opposed reading (two were needed before); the first round back that reads
-    it at all ends the probation, whether it passed there or was read only where the follow
-    rule cannot judge (read alone, in a pair, or where no other member reaches FOLLOW_FLOOR),
-    and with the follow rule off; from then on it is judged as any member."""
+    it at all ends the probation, whether it passed there (read in company, or alone against a
+    recent try's closest member) or was read only where the follow rule cannot
+    judge (where no other member reaches FOLLOW_FLOOR), and with the follow rule off; from then on
+    it is judged as any member."""
     named: list[tuple[str, str]] = []
 
     def ledger_of(follow: float = FOLLOW_RATIO) -> tuple[LeftOut, Callable]:

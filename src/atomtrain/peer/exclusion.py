@@ -173,6 +173,19 @@ counts for no member. The closest other member, not the median: two colluders in
 four could otherwise pull the median under it and never be read. (A group of three holding
 this peer and two colluders that both follow no one is such a try: they are read only in
 groups with an honest member.)"""
+FOLLOW_REFERENCE_ROUNDS = 1
+"""A member read alone (a pair: no other member to compare it with) is compared with the
+closest member of this peer's latest try that had one reaching FOLLOW_FLOOR, where that try was
+in this round or at most this many rounds before. Without it, a member met only in pairs was never
+judged by the follow rule: in bench attack's LN5 (seed 0) an honest peer met the sybil (three
+identities, its model drifted to read near 0) in pairs in two of the three rounds it read it
+(-0.10, -0.08; the third, in a group, -0.01 against 0.55) and never left it out. An older
+reference may be from before this peer re-synchronized, or from another phase of training; a try
+whose other members all stay under FOLLOW_FLOOR still counts for no one (this peer's own update
+follows no one's, or only colluders are with it). Replayed on the 73 defended and clean swarms of
+runs FR1-FR5 and LN1-LN5 (bench attack's follow_replay, on the development machine), it names no
+honest member (their 300 readings alone: 0.18 at the lowest, 0.30 next), and the honest peer above
+leaves the sybil out at its fourth logged reading of it."""
 
 
 def exclusion_rounds(stalls: int, first: int = STALL_ROUNDS) -> int:
@@ -214,6 +227,9 @@ class LeftOut:
         # peer -> this peer's latest readings of how closely it followed: (at round, ratio to
         # the closest other member's cosine, cosine)
         self._follows: dict[Any, deque[tuple[int, float, float]]] = {}
+        # (at round, cosine) of the closest member of this peer's latest try with one reaching
+        # FOLLOW_FLOOR: what a member read alone is compared with (FOLLOW_REFERENCE_ROUNDS)
+        self._reference: tuple[int, float] | None = None
         # peer -> the lean of least size of this peer's readings of it in this round
         self._leans: dict[Any, float] = {}
         # members left out for their updates, not yet read since let back in
@@ -267,16 +283,25 @@ class LeftOut:
         RobustRunner: the cosine over the span this peer reduces, and how far the update, less its
         component along this peer's, leans one way, per member): each counted by `reading`, and kept
         for `_judge_follows` with its ratio to the closest other member's, where that one reaches
-        FOLLOW_FLOOR. The tries of one round are one reading, the best of them (judged once the
-        round is over: a later try in better company still counts)."""
+        FOLLOW_FLOOR (a member read alone: the closest member of a recent try instead,
+        FOLLOW_REFERENCE_ROUNDS). The tries of one round are one reading, the best of them
+        (judged once the round is over: a later try in better company still counts)."""
         leans = leans or {}
         for peer_id, cosine in cosines.items():
             self.reading(peer_id, cosine, leans.get(peer_id, math.nan))
         if not self._follow > 0:
             return
+        recent = self._reference
+        if recent is not None and recent[0] < self.rounds - FOLLOW_REFERENCE_ROUNDS:
+            recent = None
+        best = max((c for c in cosines.values() if math.isfinite(c)), default=-math.inf)
+        if best >= FOLLOW_FLOOR:
+            self._reference = (self.rounds, best)
         for peer_id, cosine in cosines.items():
             others = [c for p, c in cosines.items() if p != peer_id and math.isfinite(c)]
             closest = max(others, default=-math.inf)
+            if len(cosines) == 1 and recent is not None:
+                closest = recent[1]  # read alone: against a recent try's closest member
             if closest < FOLLOW_FLOOR or not math.isfinite(cosine):
                 continue
             if peer_id in self._left or self._banned(peer_id):
