@@ -303,3 +303,51 @@ def test_an_ask_that_came_before_its_member_ran_the_group_is_answered_not_in_it(
     defended = SimpleNamespace(audit=True)
     asyncio.run(answer(True, part, defended))
     assert held_as == [False, False, True, False]
+
+
+def test_a_try_begun_late_is_logged_with_where_its_time_went(caplog, monkeypatch):
+    """A member that began a try's all-reduce SLOW_START_S or more after hivemind handed it the
+    group says so at INFO, with the group, the wall-clock time it was handed (to compare across
+    peers' logs) and how long the metadata checks, load balancing and the averaged tensors' lock
+    took; a prompt one only at DEBUG."""
+    import logging
+    import types
+
+    from atomtrain.peer import guarded
+    from atomtrain.peer.guarded import SLOW_START_S, GuardedAverager
+
+    member = types.SimpleNamespace(
+        _handed=(100.0, 1_800_000_000.25), _checked_at=100.1, _tensors_asked=100.3
+    )
+    monkeypatch.setattr(guarded.time, "monotonic", lambda: 101.0)
+    with caplog.at_level(logging.INFO, logger="atomtrain.peer.guarded"):
+        GuardedAverager._log_start(member, GROUP3)
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and SLOW_START_S < 1.0
+    names = ", ".join(p.to_base58()[-8:] for p in GROUP3.peer_ids)
+    assert record.getMessage().startswith(
+        f"began a try's all-reduce 1.00 s after its group ({names}) was handed to this member at "
+    )
+    assert record.getMessage().endswith(
+        ".250: metadata checked in 0.10 s, load balancing 0.20 s, the averaged tensors' lock 0.70 s"
+    )
+    caplog.clear()
+    monkeypatch.setattr(guarded.time, "monotonic", lambda: 100.4)
+    with caplog.at_level(logging.INFO, logger="atomtrain.peer.guarded"):
+        GuardedAverager._log_start(member, GROUP3)
+    assert not caplog.records
+    with caplog.at_level(logging.DEBUG, logger="atomtrain.peer.guarded"):
+        GuardedAverager._log_start(member, GROUP3)
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+
+
+def test_a_traced_swarm_runs_its_peers_verbose(tmp_path):
+    """bench attack --trace: each peer's command line asks for debug messages, as a user's
+    `atomtrain --verbose train ...` does."""
+    from atomtrain.cli.main import build_parser
+    from atomtrain.peer.launcher import Swarm
+
+    for verbose in (False, True):
+        argv = Swarm("s", tmp_path, "b", [], verbose=verbose).peer_args(0, 2, None)
+        args, _ = build_parser().parse_known_args(argv[3:])
+        assert args.verbose is verbose and argv[3 + verbose] == "train"

@@ -43,6 +43,9 @@ class AttackConfig:
     attacks: tuple[str, ...] = ATTACKS
     undefended: bool = True
     """Also each attack against swarms without the defences (half the bench's time)."""
+    trace: bool = False
+    """The peers log debug messages (each try's start, with wall-clock times to compare across
+    peers' logs: guarded._log_start)."""
     cpu_per_peer: float = 0.0
     """Cores each peer process may use (a cgroup CPU quota, bench/cgroup.py), the same in every
     swarm; 0: no quota. Without one, the peers share the machine's cores, and an attack's swarm
@@ -154,7 +157,9 @@ def run_case(
     # processes with its certificate under new peer IDs try to add their weight to it
     sybils = SYBILS if attack == "sybil" else 0
     common = _common(cfg, key, defend, seed)
-    swarm = _swarm(quotas, name, out, name, common, wait_for=n, expected=n + sybils)
+    swarm = _swarm(
+        quotas, name, out, name, common, wait_for=n, expected=n + sybils, verbose=cfg.trace
+    )
     try:
         addr = swarm.wait_addr(swarm.launch(0, n + sybils, None))
         member = admit_attacker(out, key) if attack else []
@@ -192,7 +197,16 @@ def _clean_runs(
     whether the intruders were refused."""
     name = "s0-clean-defended"
     common = _common(cfg, key, True)
-    swarm = _swarm(quotas, name, out, name, common, wait_for=cfg.honest, expected=cfg.honest + 1)
+    swarm = _swarm(
+        quotas,
+        name,
+        out,
+        name,
+        common,
+        wait_for=cfg.honest,
+        expected=cfg.honest + 1,
+        verbose=cfg.trace,
+    )
     try:
         addr = swarm.wait_addr(swarm.launch(0, cfg.honest + 1, None))
         for i in range(1, cfg.honest):

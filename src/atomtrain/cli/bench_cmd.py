@@ -80,6 +80,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default): the cores this process may use over the processes of the largest swarm "
         "(4; 6 with the sybil) where quotas can be set, else none",
     )
+    a.add_argument(
+        "--trace",
+        action="store_true",
+        help="the peers log debug messages too (each try's start, with wall-clock times)",
+    )
     a.add_argument("--out-dir", default="runs/bench-attack", help="where the peers' runs go")
     a.set_defaults(func=run_attack)
 
@@ -283,6 +288,7 @@ def run_attack(args: argparse.Namespace, _extra: list[str]) -> int:
         attacks=attacks,
         undefended=args.undefended,
         cpu_per_peer=cpu,
+        trace=args.trace,
     )
     _emit(run_attack_bench(cfg, out), args.json)
     return 0

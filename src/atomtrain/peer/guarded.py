@@ -33,8 +33,10 @@ import logging
 import math
 import time
 from collections import deque
-from contextlib import aclosing
+from collections.abc import Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 
 # hivemind reads RPC signatures and recognizes streams by typing's AsyncIterator only
 from typing import Any, AsyncIterator  # noqa: UP035
@@ -94,6 +96,12 @@ IDs the gate refuses grew it without bound."""
 GRACE_S = 1.0
 """How long parts from a leader this member gave up on wait for another leader's word while a
 join request is out (_group_runner): that leader's word reaches its members at once."""
+SLOW_START_S = 0.5
+"""A try whose all-reduce this member began this long or more after hivemind handed it the
+group (its members' metadata checked, load balancing, the averaged tensors' lock) is logged with
+where the time went (`_log_start`; every try at DEBUG): members that begin a try apart end it over
+each other at the start timeout (exact.py), and the logs kept of bench attack's stall runs could
+not say why honest members had (FR2, FR5)."""
 NO_ONE = "no member to average with: every other live member is left out or banned"
 """Why a round ends at once (`looked`): its rounds pass, and with them the exclusions."""
 AUDITS_KEPT = 8
@@ -192,6 +200,9 @@ class GuardedAverager(DecentralizedAverager):
         self._forgers: asyncio.Future | None = None  # this round's read of them (forgers.py)
         self._forgers_banned: set[str] = set()  # their public keys, once their peers were found
         self._warming: asyncio.Future | None = None  # this round's checks of its live members
+        # when hivemind handed this member its latest group (monotonic, wall), its members'
+        # metadata was checked, and the averaged tensors' lock was asked for (_log_start)
+        self._handed, self._checked_at, self._tensors_asked = (0.0, 0.0), 0.0, 0.0
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -817,13 +828,21 @@ class GuardedAverager(DecentralizedAverager):
 
     # --- robust all-reduce ------------------------------------------------------------------
 
+    @contextmanager
+    def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
+        self._tensors_asked = time.monotonic()  # (for _log_start)
+        with super().get_tensors() as tensors:
+            yield tensors
+
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
+        self._handed = (time.monotonic(), time.time())  # (for _log_start)
         self._discard.value = 0  # this attempt's: a retry after a lost one may still land
         self._attempts.value += 1
         self._running, self._ended_over, sealed = group_info.group_id, set(), group_info
         self._running_sealed = sealed
         try:
             group_info = await self._checked(group_info)
+            self._checked_at = time.monotonic()
             if not self._audited and any(
                 p in self._gate.banned or self._excluded(p) for p in group_info.peer_ids
             ):
@@ -850,7 +869,33 @@ class GuardedAverager(DecentralizedAverager):
             if started is not None and not started.done():
                 started.cancel()  # this member will not run it: parts waiting for it end now
 
+    def _log_start(self, group_info: Any) -> None:
+        """Where the time went between hivemind handing this member a group and the try's
+        all-reduce beginning: at INFO where it took SLOW_START_S or more, else at DEBUG."""
+        now = time.monotonic()
+        handed, wall = self._handed
+        took = now - handed
+        level = logging.INFO if took >= SLOW_START_S else logging.DEBUG
+        if not log.isEnabledFor(level):
+            return
+        checked = self._checked_at - handed
+        asked = max(self._tensors_asked - self._checked_at, 0.0)
+        members = ", ".join(p.to_base58()[-8:] for p in group_info.peer_ids)
+        log.log(
+            level,
+            "began a try's all-reduce %.2f s after its group (%s) was handed to this member at "
+            "%s: metadata checked in %.2f s, load balancing %.2f s, the averaged tensors' lock "
+            "%.2f s",
+            took,
+            members,
+            datetime.fromtimestamp(wall).strftime("%H:%M:%S.%f")[:-3],
+            checked,
+            asked,
+            max(now - max(self._tensors_asked, self._checked_at), 0.0),
+        )
+
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        self._log_start(group_info)
         for tensor, original in zip(tensors, self._inputs, strict=True):
             tensor.copy_(original)  # every attempt of a round starts from the round's input
         held, probes = tensors

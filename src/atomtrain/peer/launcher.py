@@ -51,6 +51,8 @@ class Swarm:
     bench/cgroup.py `CpuQuotas.wrap`)."""
     threads: int = 0
     """Threads each peer's torch uses (0: the machine's cores over `expected`)."""
+    verbose: bool = False
+    """Peers log debug messages too (`atomtrain -v`: bench attack's --trace)."""
     peers: list[PeerProcess] = field(default_factory=list)
 
     def peer_args(self, i: int, n: int, join: str | None) -> list[str]:
@@ -58,6 +60,7 @@ class Swarm:
             sys.executable,
             "-m",
             "atomtrain.cli.main",
+            *(["--verbose"] if self.verbose else []),
             "train",
             "--quiet",
             "--no-sample",
