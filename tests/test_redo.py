@@ -308,8 +308,9 @@ def test_an_ask_that_came_before_its_member_ran_the_group_is_answered_not_in_it(
 def test_a_try_begun_late_is_logged_with_where_its_time_went(caplog, monkeypatch):
     """A member that began a try's all-reduce SLOW_START_S or more after hivemind handed it the
     group says so at INFO, with the group, the wall-clock time it was handed (to compare across
-    peers' logs) and how long the metadata checks, load balancing and the averaged tensors' lock
-    took; a prompt one only at DEBUG."""
+    peers' logs), how long before that its matchmaking found the group, and how long the
+    metadata checks, load balancing, the averaged tensors' lock and what came after took; a
+    prompt one only at DEBUG."""
     import logging
     import types
 
@@ -317,7 +318,11 @@ def test_a_try_begun_late_is_logged_with_where_its_time_went(caplog, monkeypatch
     from atomtrain.peer.guarded import SLOW_START_S, GuardedAverager
 
     member = types.SimpleNamespace(
-        _handed=(100.0, 1_800_000_000.25), _checked_at=100.1, _tensors_asked=100.3
+        _found=99.5,
+        _handed=(100.0, 1_800_000_000.25),
+        _checked_at=100.1,
+        _tensors_asked=100.3,
+        _tensors_held=100.8,
     )
     monkeypatch.setattr(guarded.time, "monotonic", lambda: 101.0)
     with caplog.at_level(logging.INFO, logger="atomtrain.peer.guarded"):
@@ -329,7 +334,8 @@ def test_a_try_begun_late_is_logged_with_where_its_time_went(caplog, monkeypatch
         f"began a try's all-reduce 1.00 s after its group ({names}) was handed to this member at "
     )
     assert record.getMessage().endswith(
-        ".250: metadata checked in 0.10 s, load balancing 0.20 s, the averaged tensors' lock 0.70 s"
+        ".250 (found 0.50 s before): metadata checked in 0.10 s, load balancing 0.20 s, the "
+        "averaged tensors' lock 0.50 s, then 0.20 s to begin"
     )
     caplog.clear()
     monkeypatch.setattr(guarded.time, "monotonic", lambda: 100.4)

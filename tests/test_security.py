@@ -2070,20 +2070,23 @@ def test_a_member_whose_update_follows_ours_little_is_left_out_as_the_round_ends
         round_({"a": 0.05, "b": 0.15, "c": -0.02}, {"alone": 0.0})
     round_()
     assert not named and FOLLOW_FLOOR > 0.15
-    # read alone, in this round or the one after a try in company: judged against that try
-    for _ in range(FOLLOW_WITHIN):
-        round_({"h": 0.6, "k": 0.5}, {"pair": -0.05})
-        round_({"lone": 0.02})
+    # read alone: against the closest member of a try in this round or the one before
+    round_({"h": 0.6, "pair": 0.0, "lone": 0.0})
+    round_({"h": 0.6}, {"pair": -0.05})  # (this round's)
+    round_({"lone": 0.02})  # (the round before's)
+    round_({"h": 0.6, "k": 0.5, "pair": 0.02, "lone": 0.01})
     round_()
     assert sorted(peer for peer, _, _ in named) == ["lone", "pair"]
     assert FOLLOW_REFERENCE_ROUNDS == 1 and OPPOSED_COSINE < -0.05
     named.clear()
-    # ...but not against an older one
-    round_({"h": 0.6})
-    for _ in range(FOLLOW_WITHIN):
-        for _ in range(FOLLOW_REFERENCE_ROUNDS):
-            round_()
-        round_({"late": 0.0})
+    # ...with one reading alone at most among those judged (two could be this peer's own odd
+    # updates), and never against an older try
+    round_({"h": 0.6, "two": 0.0, "late": 0.0})
+    round_({"h": 0.6}, {"two": 0.0})
+    round_({"h": 0.6}, {"two": 0.0})
+    round_()
+    round_({"late": 0.0})
+    round_({"h": 0.6, "late": 0.0})
     round_()
     assert not named
     # two colluders pulling the others' median down are still read against the honest member

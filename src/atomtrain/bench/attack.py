@@ -256,6 +256,7 @@ def run_attack_bench(cfg: AttackConfig, out: Path, progress: bool = True) -> dic
         seeds=cfg.seeds,
         strongly_opposed_cosine=STRONGLY_OPPOSED_COSINE,  # one reading below it names a member
         cpu_per_peer=cfg.cpu_per_peer,  # 0: the peers shared the machine's cores
+        trace=cfg.trace,  # the peers logged debug messages (their timing may differ a little)
         unauthorized_join_refused=refused,
     )
     return result

@@ -174,18 +174,23 @@ four could otherwise pull the median under it and never be read. (A group of thr
 this peer and two colluders that both follow no one is such a try: they are read only in
 groups with an honest member.)"""
 FOLLOW_REFERENCE_ROUNDS = 1
-"""A member read alone (a pair: no other member to compare it with) is compared with the
-closest member of this peer's latest try that had one reaching FOLLOW_FLOOR, where that try was
-in this round or at most this many rounds before. Without it, a member met only in pairs was never
-judged by the follow rule: in bench attack's LN5 (seed 0) an honest peer met the sybil (three
-identities, its model drifted to read near 0) in pairs in two of the three rounds it read it
-(-0.10, -0.08; the third, in a group, -0.01 against 0.55) and never left it out. An older
-reference may be from before this peer re-synchronized, or from another phase of training; a try
-whose other members all stay under FOLLOW_FLOOR still counts for no one (this peer's own update
-follows no one's, or only colluders are with it). Replayed on the 73 defended and clean swarms of
-runs FR1-FR5 and LN1-LN5 (bench attack's follow_replay, on the development machine), it names no
-honest member (their 300 readings alone: 0.18 at the lowest, 0.30 next), and the honest peer above
-leaves the sybil out at its fourth logged reading of it."""
+"""A member read alone (the only member this peer read in a try: a pair, or the others' parts
+not read) is compared with the closest member of this peer's latest try that had one reaching
+FOLLOW_FLOOR, where that try was in this round or at most this many rounds before; a round whose
+every try read it alone is a reading alone, and medians over FOLLOW_WITHIN readings with more than
+one alone are not judged: two, each under the bars, could be this peer's own odd updates (what
+FOLLOW_FLOOR spares members in company), while with one at most, one reading under the bars at
+least came in company. On probation, its one reading counts alone or not. Without it, a member met
+in pairs was never judged: in bench attack's LN5 (seed 0) an honest peer read the sybil (three
+identities, its model drifted to read near 0) in a group (-0.01 against 0.55), then alone (-0.10),
+then in a group again (-0.10 against 0.29), and never left it out. An older reference may be from
+before this peer re-synchronized, or from another phase of training. Not judged still: a member
+read only with colluders that follow no one either (a sybil's identities, FOLLOW_FLOOR). Replayed
+on the 73 defended and clean swarms of runs FR1-FR5 and LN1-LN5 (bench attack's follow_replay, on
+the development machine; approximate: it takes a round as the records of one applied-round count,
+so a failed round's readings go with the next), it names no honest member (their 300 readings
+alone: 0.18 at the lowest, 0.30 next, all above FOLLOW_COSINE), and that honest peer leaves the
+sybil out at its fourth logged reading of it."""
 
 
 def exclusion_rounds(stalls: int, first: int = STALL_ROUNDS) -> int:
@@ -225,8 +230,8 @@ class LeftOut:
         # peer -> this peer's latest readings of its update: (at round, opposed)
         self._readings: dict[Any, deque[tuple[int, bool]]] = {}
         # peer -> this peer's latest readings of how closely it followed: (at round, ratio to
-        # the closest other member's cosine, cosine)
-        self._follows: dict[Any, deque[tuple[int, float, float]]] = {}
+        # the closest other member's cosine, cosine, read alone in every try of the round)
+        self._follows: dict[Any, deque[tuple[int, float, float, bool]]] = {}
         # (at round, cosine) of the closest member of this peer's latest try with one reaching
         # FOLLOW_FLOOR: what a member read alone is compared with (FOLLOW_REFERENCE_ROUNDS)
         self._reference: tuple[int, float] | None = None
@@ -300,7 +305,8 @@ class LeftOut:
         for peer_id, cosine in cosines.items():
             others = [c for p, c in cosines.items() if p != peer_id and math.isfinite(c)]
             closest = max(others, default=-math.inf)
-            if len(cosines) == 1 and recent is not None:
+            alone = len(cosines) == 1
+            if alone and recent is not None:
                 closest = recent[1]  # read alone: against a recent try's closest member
             if closest < FOLLOW_FLOOR or not math.isfinite(cosine):
                 continue
@@ -309,9 +315,10 @@ class LeftOut:
             kept = self._follows.setdefault(peer_id, deque(maxlen=FOLLOW_WITHIN))
             ratio = cosine / closest
             if kept and kept[-1][0] == self.rounds:
-                _, best_ratio, best_cosine = kept.pop()
+                _, best_ratio, best_cosine, was_alone = kept.pop()
                 ratio, cosine = max(ratio, best_ratio), max(cosine, best_cosine)
-            kept.append((self.rounds, ratio, cosine))
+                alone = alone and was_alone
+            kept.append((self.rounds, ratio, cosine, alone))
 
     def _judge_leans(self) -> None:
         """As a round ends: a member whose update leaned one way by LEAN (`lean`) in every try of
@@ -335,14 +342,14 @@ class LeftOut:
         for peer_id, kept in list(self._follows.items()):
             if kept[-1][0] != self.rounds or peer_id in self._left or self._banned(peer_id):
                 continue
-            recent = [(r, c) for at, r, c in kept if at > self.rounds - OPPOSED_SPAN_ROUNDS]
+            recent = [(r, c, a) for at, r, c, a in kept if at > self.rounds - OPPOSED_SPAN_ROUNDS]
             on_probation = peer_id in self._probation
             if on_probation:
                 recent = recent[-1:]
-            elif len(recent) < FOLLOW_WITHIN:
-                continue
-            ratio = statistics.median(r for r, _ in recent)
-            cosine = statistics.median(c for _, c in recent)
+            elif len(recent) < FOLLOW_WITHIN or sum(a for _, _, a in recent) > 1:
+                continue  # (two readings alone could both be this peer's own odd updates)
+            ratio = statistics.median(r for r, _, _ in recent)
+            cosine = statistics.median(c for _, c, _ in recent)
             if ratio < self._follow and cosine < FOLLOW_COSINE:
                 which = (
                     "in its first round since it was let back in"

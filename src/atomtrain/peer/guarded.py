@@ -99,9 +99,11 @@ join request is out (_group_runner): that leader's word reaches its members at o
 SLOW_START_S = 0.5
 """A try whose all-reduce this member began this long or more after hivemind handed it the
 group (its members' metadata checked, load balancing, the averaged tensors' lock) is logged with
-where the time went (`_log_start`; every try at DEBUG): members that begin a try apart end it over
-each other at the start timeout (exact.py), and the logs kept of bench attack's stall runs could
-not say why honest members had (FR2, FR5)."""
+where the time went, and how long before that its matchmaking found the group (`_log_start`;
+every try at DEBUG): members that begin a try apart end it over each other at the start timeout
+(exact.py), and the logs kept of bench attack's runs could not say why honest members had (FR2,
+FR5; 57 early ends over an honest member for opening no stream in the runs FR1-FR5 and
+LN1-LN5 kept)."""
 NO_ONE = "no member to average with: every other live member is left out or banned"
 """Why a round ends at once (`looked`): its rounds pass, and with them the exclusions."""
 AUDITS_KEPT = 8
@@ -200,9 +202,11 @@ class GuardedAverager(DecentralizedAverager):
         self._forgers: asyncio.Future | None = None  # this round's read of them (forgers.py)
         self._forgers_banned: set[str] = set()  # their public keys, once their peers were found
         self._warming: asyncio.Future | None = None  # this round's checks of its live members
-        # when hivemind handed this member its latest group (monotonic, wall), its members'
-        # metadata was checked, and the averaged tensors' lock was asked for (_log_start)
-        self._handed, self._checked_at, self._tensors_asked = (0.0, 0.0), 0.0, 0.0
+        # when this member's matchmaking found its latest group, hivemind handed it the group
+        # (monotonic, wall: after the round's trigger), its members' metadata was checked, and
+        # the averaged tensors' lock was asked for and taken (_log_start)
+        self._found, self._handed, self._checked_at = 0.0, (0.0, 0.0), 0.0
+        self._tensors_asked = self._tensors_held = 0.0
         self._kinds, self._events, self._inputs = kinds, events, inputs
         self.get_stub = counting_state_stubs(self, traffic)
         super().__init__(*args, **kwargs)
@@ -736,6 +740,7 @@ class GuardedAverager(DecentralizedAverager):
             if again is not None and step.allow_retries:  # the lost try's group, less those
                 ended_over = ", ".join(sorted(p.to_base58()[-8:] for p in self._ended_over))
                 log.info("trying the lost group again at once without %s", ended_over)
+                self._found = time.monotonic()
                 return again
             if self._unfinished and not any(map(self._takes_in, self._unfinished)):
                 # the round ends at its trigger, not at its timeout, so the rounds a member is
@@ -747,7 +752,9 @@ class GuardedAverager(DecentralizedAverager):
             # up; a round prepared for a slot (H auto) keeps hivemind's rule (not measured)
             least = least_group(self.peer_id, self._expected, self._waited_for, self._quorum())
             matchmaking.min_group_size = least if step.allow_retries else 2
-            return await look(step)
+            group_info = await look(step)
+            self._found = time.monotonic()  # (for _log_start)
+            return group_info
 
         matchmaking._request_join_group = guarded
         matchmaking.look_for_group = looked
@@ -832,6 +839,7 @@ class GuardedAverager(DecentralizedAverager):
     def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
         self._tensors_asked = time.monotonic()  # (for _log_start)
         with super().get_tensors() as tensors:
+            self._tensors_held = time.monotonic()
             yield tensors
 
     async def _aggregate_with_group(self, group_info, min_vector_size, **kwargs):
@@ -870,28 +878,31 @@ class GuardedAverager(DecentralizedAverager):
                 started.cancel()  # this member will not run it: parts waiting for it end now
 
     def _log_start(self, group_info: Any) -> None:
-        """Where the time went between hivemind handing this member a group and the try's
-        all-reduce beginning: at INFO where it took SLOW_START_S or more, else at DEBUG."""
+        """Where the time went between hivemind handing this member a group (after the round's
+        trigger) and the try's all-reduce beginning: at INFO where it took SLOW_START_S or more,
+        else at DEBUG."""
         now = time.monotonic()
         handed, wall = self._handed
         took = now - handed
         level = logging.INFO if took >= SLOW_START_S else logging.DEBUG
         if not log.isEnabledFor(level):
             return
-        checked = self._checked_at - handed
-        asked = max(self._tensors_asked - self._checked_at, 0.0)
-        members = ", ".join(p.to_base58()[-8:] for p in group_info.peer_ids)
+        found = handed - self._found if 0 < self._found <= handed else math.nan
+        asked = max(self._tensors_asked, self._checked_at)
+        held = max(self._tensors_held, asked)
         log.log(
             level,
             "began a try's all-reduce %.2f s after its group (%s) was handed to this member at "
-            "%s: metadata checked in %.2f s, load balancing %.2f s, the averaged tensors' lock "
-            "%.2f s",
+            "%s (found %.2f s before): metadata checked in %.2f s, load balancing %.2f s, the "
+            "averaged tensors' lock %.2f s, then %.2f s to begin",
             took,
-            members,
+            ", ".join(p.to_base58()[-8:] for p in group_info.peer_ids),
             datetime.fromtimestamp(wall).strftime("%H:%M:%S.%f")[:-3],
-            checked,
-            asked,
-            max(now - max(self._tensors_asked, self._checked_at), 0.0),
+            found,
+            self._checked_at - handed,
+            asked - self._checked_at,
+            held - asked,
+            max(now - held, 0.0),
         )
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
