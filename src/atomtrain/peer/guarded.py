@@ -737,6 +737,8 @@ class GuardedAverager(DecentralizedAverager):
 
         async def looked(step: Any):
             again, self._redo = self._redo, None
+            if again is not None and not step.allow_retries:
+                log.debug("a redo formed, but this round allows no retries: none run")
             if again is not None and step.allow_retries:  # the lost try's group, less those
                 ended_over = ", ".join(sorted(p.to_base58()[-8:] for p in self._ended_over))
                 log.info("trying the lost group again at once without %s", ended_over)
@@ -863,6 +865,15 @@ class GuardedAverager(DecentralizedAverager):
             self._redo = redo(sealed, self._ended_over, self.peer_id, self._quorum())
             if self._redo is not None:
                 self._assembled.add(self._redo.group_id)
+            if self._ended_over:  # (bench attack --trace: why a member ran no redo)
+                log.debug(
+                    "the try of %d members (%s) ended over %s; quorum %d, %s",
+                    len(sealed.peer_ids),
+                    "a redo" if is_redo(sealed.group_id) else "found by matchmaking",
+                    ", ".join(sorted(p.to_base58()[-8:] for p in self._ended_over)),
+                    self._quorum(),
+                    "its redo formed" if self._redo is not None else "no redo",
+                )
             raise
         finally:
             self._running = self._running_sealed = None
