@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from atomtrain.bench.attack_report import SwarmRun, attack_report
+from atomtrain.bench.attack_report import NEUTRALIZED_WITHIN, SwarmRun, attack_report
 from atomtrain.errors import AtomError
 from atomtrain.peer.attack import (
     ALIE_Z,
@@ -168,10 +168,13 @@ def test_the_attack_report_counts_the_rounds_that_averaged_the_attackers_update_
     ][0]
     (n,) = report["neutralized"]
     assert n["rounds_applied_with_attacker"] == 4 and n["rounds_counted_with_attacker"] == 2
+    assert n["rounds_counted_with_attacker_late"] == 0  # (landed rounds 0 and 1: before 3)
     sybils = SwarmRun(honest=["h0"], attacker="a", sybils=["b"], records=[drifter.records[0]])
     drifter.records[0][4]["round_members"] = [["h0", True], ["b", True]]
     report = attack_report(clean, {"sybil": {"defended": [sybils]}}, OPPOSED_COSINE)
-    assert report["attacks"][0]["neutralized"][0]["rounds_counted_with_attacker"] == 3
+    (n,) = report["attacks"][0]["neutralized"]
+    assert n["rounds_counted_with_attacker"] == 3 and n["rounds_counted_with_attacker_late"] == 1
+    assert NEUTRALIZED_WITHIN == 3 and drifter.records[0][4]["round"] == 5
 
 
 def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():

@@ -62,6 +62,25 @@ def counted_with(log: Records, members: set[str]) -> int:
     )
 
 
+NEUTRALIZED_WITHIN = 3
+"""The issue's bar: the attacker neutralized within this many rounds."""
+
+
+def counted_late(log: Records, members: set[str], within: int = NEUTRALIZED_WITHIN) -> int:
+    """Rounds from the swarm's round `within` on (counted from 0) that this peer applied with one
+    of `members` counted (`counted_with`): its update averaged in after the first `within` rounds,
+    whether or not this peer ever named it (one that never met it again after the others left it
+    out does not count it; one let back in on probation, exclusion.py, counts its round back). A
+    landed round's record holds the number of the round begun after it."""
+    return sum(
+        1
+        for r in log
+        if "round_s" in r
+        and int(r.get("round", 0)) > within
+        and any(ok and name in members for name, ok in r.get("round_members") or ())
+    )
+
+
 def rounds_with_attacker(
     log: Records, attacker: str, keys: tuple[str, ...] = ("rejected_peers",)
 ) -> tuple[int, bool]:
@@ -87,6 +106,7 @@ def neutralized(run: SwarmRun) -> dict[str, Any]:
             "left_out_by_all": False,
             "rounds_applied_with_attacker": 0,
             "rounds_counted_with_attacker": 0,
+            "rounds_counted_with_attacker_late": 0,
         }
     seen = [rounds_with_attacker(log, run.attacker) for log in run.records]
     either = ("rejected_peers", "stalled_peers")
@@ -102,6 +122,9 @@ def neutralized(run: SwarmRun) -> dict[str, Any]:
         ),
         "rounds_counted_with_attacker": max(
             (counted_with(log, {run.attacker, *run.sybils}) for log in run.records), default=0
+        ),
+        "rounds_counted_with_attacker_late": max(
+            (counted_late(log, {run.attacker, *run.sybils}) for log in run.records), default=0
         ),
     }
     if run.sybils:  # rounds an honest peer applied with one of the sybils in its group
@@ -327,6 +350,8 @@ def attack_report(
             "its group; rounds_counted_with_attacker: the rounds an honest peer applied with "
             "it (or one of its sybils) in its group and in sync, its update averaged in "
             "(clipped; at most: unless its reducer dropped it); "
+            "rounds_counted_with_attacker_late: the same from the swarm's round 3 on (0: "
+            "neutralized within 3 rounds in effect, whether or not every honest peer named it); "
             "honest_peers_left_out: honest peers "
             "another honest peer excluded for a while; rounds_applied: per seed, the rounds "
             "the honest peer that applied fewest "
