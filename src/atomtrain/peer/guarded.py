@@ -720,6 +720,11 @@ class GuardedAverager(DecentralizedAverager):
                 nested = self._requests != request
                 if group is None and not nested and time.monotonic() - began >= timeout:
                     self._gave_up_on[leader] = None
+                    log.debug(
+                        "gave up on leader %s: no group %.2f s after asking to join it",
+                        str(leader)[-8:],
+                        time.monotonic() - began,
+                    )
 
         async def followed(leader: PeerID, message: Any):
             if is_redo(message.group_id):  # only members name a redo (redo.py), never a leader
