@@ -190,3 +190,18 @@ def test_bench_swap_prints_its_fields(tmp_path: Path):
     assert out["policies"]["offload"] + out["policies"]["recompute"] > 0
     lo, hi = out["optimizer_vs_torch_range"]
     assert 0 < lo <= out["optimizer_vs_torch"] <= hi and 0 <= out["overlap_fraction"] <= 1
+
+
+def test_verbose_logs_atoms_debug_messages_not_a_plots_font_search(capsys, caplog):
+    """`atomtrain --verbose`: Atom's debug messages (bench attack --trace's peers), without
+    matplotlib's and PIL's line-by-line font search for the loss plot."""
+    import logging
+
+    from atomtrain.cli.main import main
+
+    with caplog.at_level(logging.DEBUG):  # (as --verbose sets it where nothing logs yet)
+        assert main(["--verbose", "bench", "attack", "--steps", "0"]) == 2
+        assert "--steps must be at least 1" in capsys.readouterr().err
+        assert logging.getLogger("atomtrain.peer.guarded").isEnabledFor(logging.DEBUG)
+        for noisy in ("matplotlib.font_manager", "PIL.PngImagePlugin"):
+            assert not logging.getLogger(noisy).isEnabledFor(logging.DEBUG)

@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     logging.getLogger("hivemind").setLevel(logging.WARNING)
+    for noisy in ("matplotlib", "PIL"):  # (--verbose: a loss plot's font search, line by line)
+        logging.getLogger(noisy).setLevel(logging.INFO)
     if extra and not getattr(args, "accepts_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
