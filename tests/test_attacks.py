@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from atomtrain.bench.attack_report import NEUTRALIZED_WITHIN, SwarmRun, attack_report
+from atomtrain.bench.attack_report import (
+    NEUTRALIZED_WITHIN,
+    SwarmRun,
+    attack_report,
+    counted_late,
+)
 from atomtrain.errors import AtomError
 from atomtrain.peer.attack import (
     ALIE_Z,
@@ -175,6 +180,10 @@ def test_the_attack_report_counts_the_rounds_that_averaged_the_attackers_update_
     (n,) = report["attacks"][0]["neutralized"]
     assert n["rounds_counted_with_attacker"] == 3 and n["rounds_counted_with_attacker_late"] == 1
     assert NEUTRALIZED_WITHIN == 3 and drifter.records[0][4]["round"] == 5
+    # a landed round's record holds the next round's number: landed round 2 (record 3) is
+    # within the first three rounds, landed round 3 (record 4) is not
+    rounds = [{"round": n, "round_s": 1.0, "round_members": [["a", True]]} for n in (3, 4)]
+    assert counted_late(rounds, {"a"}) == 1
 
 
 def test_the_attack_report_gives_the_agreement_the_honest_reducers_read():

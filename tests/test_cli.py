@@ -192,16 +192,19 @@ def test_bench_swap_prints_its_fields(tmp_path: Path):
     assert 0 < lo <= out["optimizer_vs_torch"] <= hi and 0 <= out["overlap_fraction"] <= 1
 
 
-def test_verbose_logs_atoms_debug_messages_not_a_plots_font_search(capsys, caplog):
-    """`atomtrain --verbose`: Atom's debug messages (bench attack --trace's peers), without
-    matplotlib's and PIL's line-by-line font search for the loss plot."""
+def test_verbose_logs_atoms_debug_messages_not_a_plots_font_search(capsys, caplog, monkeypatch):
+    """`atomtrain --verbose`: debug messages (bench attack --trace's peers), without matplotlib's
+    and PIL's line-by-line font search for the loss plot; without it, from INFO up."""
     import logging
 
-    from atomtrain.cli.main import main
+    from atomtrain.cli import main as cli
 
-    with caplog.at_level(logging.DEBUG):  # (as --verbose sets it where nothing logs yet)
-        assert main(["--verbose", "bench", "attack", "--steps", "0"]) == 2
-        assert "--steps must be at least 1" in capsys.readouterr().err
-        assert logging.getLogger("atomtrain.peer.guarded").isEnabledFor(logging.DEBUG)
+    levels: list[int] = []
+    monkeypatch.setattr(cli.logging, "basicConfig", lambda **kw: levels.append(kw["level"]))
+    with caplog.at_level(logging.DEBUG):  # (what basicConfig would set, under pytest's handlers)
+        for argv in (["--verbose"], []):
+            assert cli.main([*argv, "bench", "attack", "--steps", "0"]) == 2
+            assert "--steps must be at least 1" in capsys.readouterr().err
         for noisy in ("matplotlib.font_manager", "PIL.PngImagePlugin"):
             assert not logging.getLogger(noisy).isEnabledFor(logging.DEBUG)
+    assert levels == [logging.DEBUG, logging.INFO]

@@ -2065,7 +2065,7 @@ def test_a_member_whose_update_follows_ours_little_is_left_out_as_the_round_ends
     for _ in range(5):
         round_({"colluder": 0.95, "honest": 0.25})
     # this peer's own update follows no one (just re-synchronized), or a member read alone
-    # with no recent try to compare it with
+    # with no recent try to compare it with (but in the first round: one reading of three)
     for _ in range(5):
         round_({"a": 0.05, "b": 0.15, "c": -0.02}, {"alone": 0.0})
     round_()

@@ -67,11 +67,13 @@ NEUTRALIZED_WITHIN = 3
 
 
 def counted_late(log: Records, members: set[str], within: int = NEUTRALIZED_WITHIN) -> int:
-    """Rounds from the swarm's round `within` on (counted from 0) that this peer applied with one
-    of `members` counted (`counted_with`): its update averaged in after the first `within` rounds,
+    """Rounds from round `within` on (counted from 0) that this peer applied with one of
+    `members` counted (`counted_with`): its update averaged in after the first `within` rounds,
     whether or not this peer ever named it (one that never met it again after the others left it
-    out does not count it; one let back in on probation, exclusion.py, counts its round back). A
-    landed round's record holds the number of the round begun after it."""
+    out does not count it; one let back in on probation, exclusion.py, counts its round back).
+    Rounds by this peer's own round number, which counts the rounds it landed (or took over with
+    a state it downloaded), not those it failed; a landed round's record holds the number of the
+    round after it."""
     return sum(
         1
         for r in log
@@ -350,7 +352,8 @@ def attack_report(
             "its group; rounds_counted_with_attacker: the rounds an honest peer applied with "
             "it (or one of its sybils) in its group and in sync, its update averaged in "
             "(clipped; at most: unless its reducer dropped it); "
-            "rounds_counted_with_attacker_late: the same from the swarm's round 3 on (0: "
+            "rounds_counted_with_attacker_late: the same from round 3 on (each honest peer's "
+            "round number, landed rounds; 0: "
             "neutralized within 3 rounds in effect, whether or not every honest peer named it); "
             "honest_peers_left_out: honest peers "
             "another honest peer excluded for a while; rounds_applied: per seed, the rounds "

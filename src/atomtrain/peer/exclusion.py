@@ -180,7 +180,10 @@ FOLLOW_FLOOR, where that try was in this round or at most this many rounds befor
 every try read it alone is a reading alone, and medians over FOLLOW_WITHIN readings with more than
 one alone are not judged: two, each under the bars, could be this peer's own odd updates (what
 FOLLOW_FLOOR spares members in company), while with one at most, one reading under the bars at
-least came in company. On probation, its one reading counts alone or not. Without it, a member met
+least came in company. On probation, its one reading counts alone or not: a member already left
+out once for its updates, read alone just as this peer's own update is odd (say right after it
+re-synchronized), would be left out again wrongly; three rare events at once, against a label
+flipper let back in escaping its probation in a pair. Without it, a member met
 in pairs was never judged: in bench attack's LN5 (seed 0) an honest peer read the sybil (three
 identities, its model drifted to read near 0) in a group (-0.01 against 0.55), then alone (-0.10),
 then in a group again (-0.10 against 0.29), and never left it out. An older reference may be from

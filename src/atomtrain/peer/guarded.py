@@ -844,7 +844,9 @@ class GuardedAverager(DecentralizedAverager):
 
     @contextmanager
     def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
-        self._tensors_asked = time.monotonic()  # (for _log_start)
+        # (for _log_start; in this process a try's all-reduce is the caller: another one in
+        # between would shift time between its "load balancing" and "lock" figures, not the sum)
+        self._tensors_asked = time.monotonic()
         with super().get_tensors() as tensors:
             self._tensors_held = time.monotonic()
             yield tensors
