@@ -102,8 +102,8 @@ group (its members' metadata checked, load balancing, the averaged tensors' lock
 where the time went, and how long before that its matchmaking found the group (`_log_start`;
 every try at DEBUG): members that begin a try apart end it over each other at the start timeout
 (exact.py), and the logs kept of bench attack's runs could not say why honest members had (FR2,
-FR5; 57 early ends over an honest member for opening no stream in the runs FR1-FR5 and
-LN1-LN5 kept)."""
+FR5; 49 early ends by an honest peer over an honest member for opening no stream in the runs
+FR1-FR5 and LN1-LN5 kept)."""
 NO_ONE = "no member to average with: every other live member is left out or banned"
 """Why a round ends at once (`looked`): its rounds pass, and with them the exclusions."""
 AUDITS_KEPT = 8
