@@ -50,14 +50,16 @@ def honest_left_out(run: SwarmRun) -> int:
     return len(named & set(run.honest))
 
 
-def counted_with(log: Records, members: set[str]) -> int:
+def counted_with(log: Records, members: set[str], after: float = -math.inf) -> int:
     """Rounds this peer applied with one of `members` in its group and in sync, so that its
     update was averaged in (bounded by the robust aggregation; at most: a reducer that named it
-    in that round left its part out); an update out of sync is left out (sync.py)."""
+    in that round left its part out); an update out of sync is left out (sync.py). `after`:
+    only records whose round number is above it (counted_late)."""
     return sum(
         1
         for r in log
         if "round_s" in r
+        and int(r.get("round", 0)) > after
         and any(ok and name in members for name, ok in r.get("round_members") or ())
     )
 
@@ -74,13 +76,7 @@ def counted_late(log: Records, members: set[str], within: int = NEUTRALIZED_WITH
     Rounds by this peer's own round number, which counts the rounds it landed (or took over with
     a state it downloaded), not those it failed; a landed round's record holds the number of the
     round after it."""
-    return sum(
-        1
-        for r in log
-        if "round_s" in r
-        and int(r.get("round", 0)) > within
-        and any(ok and name in members for name, ok in r.get("round_members") or ())
-    )
+    return counted_with(log, members, after=within)
 
 
 def rounds_with_attacker(

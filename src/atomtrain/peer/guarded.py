@@ -744,7 +744,7 @@ class GuardedAverager(DecentralizedAverager):
             again, self._redo = self._redo, None
             if again is not None and not step.allow_retries:
                 log.debug("a redo formed, but this round allows no retries: none run")
-            if again is not None and step.allow_retries:  # the lost try's group, less those
+            elif again is not None:  # the lost try's group, less those
                 ended_over = ", ".join(sorted(p.to_base58()[-8:] for p in self._ended_over))
                 log.info("trying the lost group again at once without %s", ended_over)
                 self._found = time.monotonic()
