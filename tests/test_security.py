@@ -783,6 +783,76 @@ def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
     assert why.endswith(NOT_IN_GROUP) and not_in_group and not heard
 
 
+def test_a_try_every_other_member_left_ends_at_once_and_says_what_it_waited_for(caplog):
+    """A try whose other members all left it (one answered it is not in the group, the other's
+    exchange failed: its try ended) can land nothing, and no member waits for this one's parts:
+    it ends at once, over no one (no redo), rather than at the round's timeout (a clean swarm's
+    leader held its try 15 s so). While one member still runs it, it goes on. A try cut off
+    before it ends logs, per member, what it still waited for."""
+    import logging
+
+    from hivemind.p2p import PeerID
+
+    def peer_id(name: str) -> PeerID:  # an identity multihash of a made-up key
+        return PeerID(b"\x00\x24\x08\x01\x12\x20" + hashlib.sha256(name.encode()).digest())
+
+    me, refuser, ender = peer_id("me"), peer_id("refuser"), peer_id("ender")
+
+    class Stub:
+        def __init__(self, code: int):
+            self.code = code
+
+        async def rpc_aggregate_part(self, parts):
+            async def answer():
+                yield averaging_pb2.AveragingData(code=self.code)
+
+            return answer()
+
+    def runner() -> ExactAverageRunner:
+        return ExactAverageRunner(
+            p2p=SimpleNamespace(peer_id=me), servicer_type=GuardedAverager, prefix="t",
+            group_id=b"g", tensors=[torch.zeros(96)], ordered_peer_ids=[me, refuser, ender],
+            peer_fractions=(1 / 3, 1 / 3, 1 / 3), sender_timeout=1.0, reducer_timeout=2.0,
+            traffic=Traffic(), part_size_bytes=64,
+        )  # fmt: skip
+
+    async def scenario() -> tuple[bool, str, str]:
+        r = runner()
+        stubs = {
+            refuser: Stub(averaging_pb2.BAD_GROUP_ID),
+            ender: Stub(averaging_pb2.INTERNAL_ERROR),
+        }
+        r._get_peer_stub = stubs.__getitem__
+        with pytest.raises(AllreduceException):
+            await r._communicate_with_peer(refuser)
+        still_on = not r._future.done()
+        with pytest.raises(AllreduceException):
+            await r._communicate_with_peer(ender)
+        assert r._future.done() and r.ended_over == set()  # over no one: no redo
+        why = str(r._future.exception())
+        cut = runner()
+        cut._not_in_group.add(refuser)
+        return still_on, why, cut.waiting_on()
+
+    from hivemind.averaging.partition import AllreduceException
+
+    still_on, why, waiting = asyncio.run(scenario())
+    assert still_on
+    assert why.startswith("every other member left the try"), why
+    assert f"{str(refuser)[-8:]} not in the group" in why and "its span failed" in why, why
+    # what a cut-off try logs: its own span's parts, and per member its parts and averages
+    assert "own span 0/" in waiting and f"{str(ender)[-8:]}: parts 0/" in waiting, waiting
+    assert "averages 0/" in waiting and "not in the group" in waiting, waiting
+
+    async def cancelled() -> None:  # (hivemind cancels a try at the round's timeout)
+        runner().finalize(exception=asyncio.CancelledError())
+
+    with caplog.at_level(logging.INFO, logger="atomtrain.peer.exact"):
+        asyncio.run(cancelled())
+    assert "a try cut off before it ended" in caplog.text, caplog.text
+    assert "0.0 s in; own span" in caplog.text, caplog.text
+
+
 def test_a_member_not_in_the_group_spares_no_reducer_its_late_averages():
     """A reducer's late averages name no one while another member sent this one nothing: it may
     have waited out that member's parts from its own, later start. Not where that member

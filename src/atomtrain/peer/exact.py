@@ -222,7 +222,8 @@ class ExactAverageRunner(CountedRunner):
         self._awaited: dict[int, float] = {}
         container = self.tensor_part_container
         register, fall_back = container.register_processed_part, container.register_failed_reducer
-        failed: set[int] = set()  # reducers whose span now holds this member's own part
+        self._failed: set[int] = set()  # reducers whose span now holds this member's own part
+        failed = self._failed
 
         def registered(peer_index: int, part_index: int, part: Any) -> None:
             if peer_index not in failed:  # hivemind registers the stand-ins the same way
@@ -259,12 +260,55 @@ class ExactAverageRunner(CountedRunner):
         machine was left out of the next two rounds as if it had.) Where the group's leader is
         silent too, only the leader is named (silent_members). A round cancelled (this peer
         shutting down: GuardedAverager._shutdown) names no one."""
+        if not self._future.done() and isinstance(kwargs.get("exception"), asyncio.CancelledError):
+            log.info(
+                "a try cut off before it ended (the round's timeout, or this peer stopping): %s",
+                self.waiting_on(),
+            )
         if not self._future.done() and not kwargs.get("cancel"):
             self.ended_at = time.monotonic()
             silent = [p for p in self._silent() if p not in self._unheard]
             for peer_id in silent_members(silent, self._leader):
                 self._stalled(peer_id, "sent none of its parts")
         super().finalize(**kwargs)
+
+    def waiting_on(self) -> str:
+        """What this member's try waits for now, per other member: its parts of this member's
+        span come in (`parts` received of the span's, `banned` as a sender: its parts left out),
+        the averages of its own span (`averages`, `failed`: its span holds this member's own
+        part), and whether it answered it is not in the group. Logged where a try is cut off
+        before it ends: hivemind cancels it at the round's timeout (`averaging_timeout_s`, 15 s
+        in bench attack), a whole round lost for its members and the quorum of the others
+        (bench attack's logs: an honest peer's try ran there in 20 of 328 swarm-peers, in clean
+        swarms too, with nothing logged on why)."""
+        container, reducer = self.tensor_part_container, self.tensor_part_reducer
+        received = getattr(reducer, "num_parts_received", None) or []
+        senders = self.sender_peer_ids
+        own = senders.index(self.peer_id) if self.peer_id in senders else -1
+        said = [f"{time.monotonic() - self._started:.1f} s in"]
+        if own >= 0 and received:
+            said.append(f"own span {sum(received)}/{reducer.num_parts * len(received)} parts")
+        for index, peer_id in enumerate(self.ordered_peer_ids):
+            if peer_id == self.peer_id:
+                continue
+            words = []
+            if peer_id in self.sender_peer_ids:
+                sender = self.sender_peer_ids.index(peer_id)
+                if own >= 0 and sender < len(received):
+                    words.append(f"parts {received[sender]}/{reducer.num_parts}")
+                if peer_id in self.banned_senders:
+                    words.append("banned")
+            spans = container.num_parts_by_peer[index]
+            if spans:
+                if index in self._failed:
+                    words.append("failed")
+                else:
+                    averaged = container._outputs_registered_by_peer[index]
+                    words.append(f"averages {averaged}/{spans}")
+            if peer_id in self._not_in_group:
+                words.append("not in the group")
+            said.append(f"{_names([peer_id])}: {' '.join(words) or 'nothing'}")
+        return "; ".join(said)
 
     def _silent(self) -> list[Any]:
         """Members hivemind dropped for sending nothing within the sender timeout that have
@@ -649,12 +693,32 @@ class ExactAverageRunner(CountedRunner):
             # staller's verdicts: a stalled round took 15 s of the bench's 15, not 10)
             self.finalize(exception=AllreduceException(f"{peer_id} sent no averages in time"))
             raise
-        except AllreduceException as e:
-            if str(e).endswith(NOT_IN_GROUP):  # (hivemind's words for that answer)
-                self._not_in_group.add(peer_id)
+        except Exception as e:
+            if isinstance(e, AllreduceException) and str(e).endswith(NOT_IN_GROUP):
+                self._not_in_group.add(peer_id)  # (hivemind's words for that answer)
                 if is_redo(self.group_id):  # it ended the redo sooner, or formed another
                     self.end_early(f"{_names([peer_id])} is not in this redo")
+            self._end_if_deserted()
             raise
+
+    def _end_if_deserted(self) -> None:
+        """Ends the try (end_early, over no one: no redo) once every other member has left it:
+        each answered it is not in the group, or its span failed here (its exchange with this
+        member ended without its averages: a member whose try ended early, or that refused the
+        group). No average can land then, and no member waits for this one's parts; the try
+        ran on until the round's timeout (bench attack, a clean swarm: a leader whose follower
+        had given up on it, and refused its group, while the third member ended its try over
+        that follower, held its try 15 s, and the other two, short of the quorum without it,
+        lost those rounds too)."""
+        others = [p for p in self.ordered_peer_ids if p != self.peer_id]
+        gone = {
+            p: "not in the group" if p in self._not_in_group else "its span failed"
+            for i, p in enumerate(self.ordered_peer_ids)
+            if p != self.peer_id and (p in self._not_in_group or i in self._failed)
+        }
+        if others and len(gone) == len(others):
+            why = ", ".join(f"{_names([p])} {said}" for p, said in gone.items())
+            self.end_early(f"every other member left the try: {why}")
 
     async def _reduce_own_span(self) -> None:
         """This member's own span: the average through the codec the others receive it in."""
