@@ -30,7 +30,9 @@ member frozen after sending its parts: rounds of 13.6 s where 3 s is typical in 
 round that looked for its group when it was due then runs the same group again at once without
 the members whose silence ended it (`ended_over`, redo.py), where they make the round's quorum,
 and otherwise looks for another group, within the round's time; a round prepared for a slot
-fails, and the next slot comes.
+fails, and the next slot comes. A try every other member has left (each answered it is
+not in the group, or its span failed here) ends at once too, over no one (_end_if_deserted); a
+try hivemind cuts off at the round's timeout logs what it still waited for (`waiting_on`).
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
 its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout; where
