@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import hashlib
+import logging
 import math
 import os
 import queue
@@ -784,73 +785,83 @@ def test_a_reducer_that_answers_it_is_not_in_the_group_is_recorded_so():
 
 
 def test_a_try_every_other_member_left_ends_at_once_and_says_what_it_waited_for(caplog):
-    """A try whose other members all left it (one answered it is not in the group, the other's
-    exchange failed: its try ended) can land nothing, and no member waits for this one's parts:
-    it ends at once, over no one (no redo), rather than at the round's timeout (a clean swarm's
-    leader held its try 15 s so). While one member still runs it, it goes on. A try cut off
-    before it ends logs, per member, what it still waited for."""
-    import logging
-
+    """A try whose other members all left it (answered it is not in the group, or their
+    exchange with it failed: their try ended) can land nothing: it ends at once rather than at
+    its timeout (a clean swarm's leader held its try 15 s so), while one member still runs it,
+    it goes on. It ends over those never heard from: members that sent their parts and left may
+    run the group's redo without a crashed one, which this member then joins. A try cut off at
+    its timeout logs, per member, what it still waited for."""
+    from hivemind.averaging.partition import AllreduceException
     from hivemind.p2p import PeerID
 
     def peer_id(name: str) -> PeerID:  # an identity multihash of a made-up key
         return PeerID(b"\x00\x24\x08\x01\x12\x20" + hashlib.sha256(name.encode()).digest())
 
-    me, refuser, ender = peer_id("me"), peer_id("refuser"), peer_id("ender")
+    me, refuser, ender, crashed = (peer_id(n) for n in ("me", "refuser", "ender", "crashed"))
 
-    class Stub:
-        def __init__(self, code: int):
+    class Stub:  # (INTERNAL_ERROR: a stream already open when its member's try ended)
+        def __init__(self, code: int | None):
             self.code = code
 
         async def rpc_aggregate_part(self, parts):
+            if self.code is None:
+                raise ConnectionRefusedError("crashed")
+
             async def answer():
                 yield averaging_pb2.AveragingData(code=self.code)
 
             return answer()
 
-    def runner() -> ExactAverageRunner:
-        return ExactAverageRunner(
+    stubs = {
+        refuser: Stub(averaging_pb2.BAD_GROUP_ID),
+        ender: Stub(averaging_pb2.INTERNAL_ERROR),
+        crashed: Stub(None),
+    }
+
+    def runner(others: list) -> ExactAverageRunner:
+        r = ExactAverageRunner(
             p2p=SimpleNamespace(peer_id=me), servicer_type=GuardedAverager, prefix="t",
-            group_id=b"g", tensors=[torch.zeros(96)], ordered_peer_ids=[me, refuser, ender],
-            peer_fractions=(1 / 3, 1 / 3, 1 / 3), sender_timeout=1.0, reducer_timeout=2.0,
-            traffic=Traffic(), part_size_bytes=64,
+            group_id=b"g", tensors=[torch.zeros(96)], ordered_peer_ids=[me, *others],
+            peer_fractions=(1 / (len(others) + 1),) * (len(others) + 1), sender_timeout=1.0,
+            reducer_timeout=2.0, traffic=Traffic(), part_size_bytes=64,
         )  # fmt: skip
-
-    async def scenario() -> tuple[bool, str, str]:
-        r = runner()
-        stubs = {
-            refuser: Stub(averaging_pb2.BAD_GROUP_ID),
-            ender: Stub(averaging_pb2.INTERNAL_ERROR),
-        }
         r._get_peer_stub = stubs.__getitem__
-        with pytest.raises(AllreduceException):
-            await r._communicate_with_peer(refuser)
-        still_on = not r._future.done()
-        with pytest.raises(AllreduceException):
-            await r._communicate_with_peer(ender)
-        assert r._future.done() and r.ended_over == set()  # over no one: no redo
-        why = str(r._future.exception())
-        cut = runner()
-        cut._not_in_group.add(refuser)
-        return still_on, why, cut.waiting_on()
+        return r
 
-    from hivemind.averaging.partition import AllreduceException
+    async def left(others: list, heard: list) -> tuple[list[bool], str, set]:
+        r = runner(others)
+        for p in heard:
+            r.heard(p)  # (its parts reached this member)
+        still_on = []
+        for p in others:
+            still_on.append(not r._future.done())
+            with pytest.raises((AllreduceException, ConnectionRefusedError)):
+                await r._communicate_with_peer(p)
+        assert r._future.done()
+        return still_on, str(r._future.exception()), r.ended_over
 
-    still_on, why, waiting = asyncio.run(scenario())
-    assert still_on
+    still_on, why, over = asyncio.run(left([refuser, ender], heard=[ender]))
+    assert still_on == [True, True]  # (on while the ender still ran it)
     assert why.startswith("every other member left the try"), why
     assert f"{str(refuser)[-8:]} not in the group" in why and "its span failed" in why, why
-    # what a cut-off try logs: its own span's parts, and per member its parts and averages
-    assert "own span 0/" in waiting and f"{str(ender)[-8:]}: parts 0/" in waiting, waiting
-    assert "averages 0/" in waiting and "not in the group" in waiting, waiting
+    assert over == {refuser}  # never heard from: the redo, if any, is without it
+    # a crash and two that sent their parts, then ran the redo without it: over the crash alone
+    still_on, why, over = asyncio.run(left([crashed, ender, refuser], heard=[ender, refuser]))
+    assert still_on == [True, True, True] and over == {crashed}, (still_on, over)
 
-    async def cancelled() -> None:  # (hivemind cancels a try at the round's timeout)
-        runner().finalize(exception=asyncio.CancelledError())
+    async def cut() -> str:  # (hivemind cancels a try at its timeout)
+        r = runner([refuser, ender])
+        r._not_in_group.add(refuser)
+        r.finalize(exception=asyncio.CancelledError())
+        return r.waiting_on()
 
     with caplog.at_level(logging.INFO, logger="atomtrain.peer.exact"):
-        asyncio.run(cancelled())
-    assert "a try cut off before it ended" in caplog.text, caplog.text
-    assert "0.0 s in; own span" in caplog.text, caplog.text
+        waiting = asyncio.run(cut())
+    assert "a try cut off at its timeout" in caplog.text, caplog.text
+    # its own span's parts, and per member its parts and its span's averages
+    assert re.search(r"\d+\.\d s in; own span 0/\d+ parts", waiting), waiting
+    assert f"{str(ender)[-8:]}: parts 0/" in waiting and "averages 0/" in waiting, waiting
+    assert f"{str(refuser)[-8:]}: parts 0/" in waiting and "not in the group" in waiting, waiting
 
 
 def test_a_member_not_in_the_group_spares_no_reducer_its_late_averages():

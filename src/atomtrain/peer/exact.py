@@ -31,8 +31,9 @@ round that looked for its group when it was due then runs the same group again a
 the members whose silence ended it (`ended_over`, redo.py), where they make the round's quorum,
 and otherwise looks for another group, within the round's time; a round prepared for a slot
 fails, and the next slot comes. A try every other member has left (each answered it is
-not in the group, or its span failed here) ends at once too, over no one (_end_if_deserted); a
-try hivemind cuts off at the round's timeout logs what it still waited for (`waiting_on`).
+not in the group, or its span failed here) ends at once too, over those never heard from
+(_end_if_deserted); a try hivemind cuts off at its timeout logs what it still waited for
+(`waiting_on`).
 
 It also tells who stalled the round (`on_stall`): a member that joined the group but sent none of
 its parts until the reducer timeout (hivemind leaves its parts out after its sender timeout; where
@@ -263,10 +264,10 @@ class ExactAverageRunner(CountedRunner):
         silent too, only the leader is named (silent_members). A round cancelled (this peer
         shutting down: GuardedAverager._shutdown) names no one."""
         if not self._future.done() and isinstance(kwargs.get("exception"), asyncio.CancelledError):
-            log.info(
-                "a try cut off before it ended (the round's timeout, or this peer stopping): %s",
-                self.waiting_on(),
-            )
+            try:  # (hivemind cancels a try at its timeout, `averaging_timeout_s`, per try)
+                log.info("a try cut off at its timeout: %s", self.waiting_on())
+            except Exception as e:  # (what it logs must never keep the round from ending)
+                log.info("a try cut off at its timeout (%r describing it)", e)
         if not self._future.done() and not kwargs.get("cancel"):
             self.ended_at = time.monotonic()
             silent = [p for p in self._silent() if p not in self._unheard]
@@ -279,16 +280,14 @@ class ExactAverageRunner(CountedRunner):
         span come in (`parts` received of the span's, `banned` as a sender: its parts left out),
         the averages of its own span (`averages`, `failed`: its span holds this member's own
         part), and whether it answered it is not in the group. Logged where a try is cut off
-        before it ends: hivemind cancels it at the round's timeout (`averaging_timeout_s`, 15 s
-        in bench attack), a whole round lost for its members and the quorum of the others
-        (bench attack's logs: an honest peer's try ran there in 20 of 328 swarm-peers, in clean
-        swarms too, with nothing logged on why)."""
+        before it ends: hivemind cancels it at its timeout (`averaging_timeout_s`, 15 s in bench
+        attack, counted from the try's start), a whole round lost for its members and the quorum
+        of the others (bench attack's logs: an honest peer's try ran there in 20 of 328
+        swarm-peers, in clean swarms too, with nothing logged on why)."""
         container, reducer = self.tensor_part_container, self.tensor_part_reducer
         received = getattr(reducer, "num_parts_received", None) or []
-        senders = self.sender_peer_ids
-        own = senders.index(self.peer_id) if self.peer_id in senders else -1
         said = [f"{time.monotonic() - self._started:.1f} s in"]
-        if own >= 0 and received:
+        if reducer.num_parts and received:
             said.append(f"own span {sum(received)}/{reducer.num_parts * len(received)} parts")
         for index, peer_id in enumerate(self.ordered_peer_ids):
             if peer_id == self.peer_id:
@@ -296,7 +295,7 @@ class ExactAverageRunner(CountedRunner):
             words = []
             if peer_id in self.sender_peer_ids:
                 sender = self.sender_peer_ids.index(peer_id)
-                if own >= 0 and sender < len(received):
+                if reducer.num_parts and sender < len(received):
                     words.append(f"parts {received[sender]}/{reducer.num_parts}")
                 if peer_id in self.banned_senders:
                     words.append("banned")
@@ -704,14 +703,20 @@ class ExactAverageRunner(CountedRunner):
             raise
 
     def _end_if_deserted(self) -> None:
-        """Ends the try (end_early, over no one: no redo) once every other member has left it:
-        each answered it is not in the group, or its span failed here (its exchange with this
-        member ended without its averages: a member whose try ended early, or that refused the
-        group). No average can land then, and no member waits for this one's parts; the try
-        ran on until the round's timeout (bench attack, a clean swarm: a leader whose follower
-        had given up on it, and refused its group, while the third member ended its try over
-        that follower, held its try 15 s, and the other two, short of the quorum without it,
-        lost those rounds too)."""
+        """Ends the try (end_early) once every other member has left it: each answered it is
+        not in the group, or its exchange with this member ended without its averages (its try
+        ended early, or it refused the group). This member's round cannot land then (a span
+        holds its own part: the probes discard it), and it would wait on: a leader whose
+        follower had given up on it and refused its group, while the third member ended its
+        try over that follower, held its try for the try's timeout (15 s in bench attack, a
+        clean swarm), and the other two, short of the quorum without it, lost those rounds too.
+        (Rarely, a member's exchange breaks after it had every part of its span from this one:
+        the others may still await this one's span; they end their try at its timeouts.)
+
+        It ends over those never heard from (in a redo's ID, redo.py): a member that sent this
+        one its parts and then left may be running the group's redo without a silent one (its
+        exchange here failed as its try ended), which this member then joins, as it did at its
+        own timeouts; one that crashed, or refused the group, sent nothing."""
         others = [p for p in self.ordered_peer_ids if p != self.peer_id]
         gone = {
             p: "not in the group" if p in self._not_in_group else "its span failed"
@@ -720,7 +725,8 @@ class ExactAverageRunner(CountedRunner):
         }
         if others and len(gone) == len(others):
             why = ", ".join(f"{_names([p])} {said}" for p, said in gone.items())
-            self.end_early(f"every other member left the try: {why}")
+            over = [p for p in gone if not self._heard_from(p)]
+            self.end_early(f"every other member left the try: {why}", over)
 
     async def _reduce_own_span(self) -> None:
         """This member's own span: the average through the codec the others receive it in."""
