@@ -53,14 +53,18 @@ def honest_left_out(run: SwarmRun) -> int:
 def counted_with(log: Records, members: set[str], after: float = -math.inf) -> int:
     """Rounds this peer applied with one of `members` in its group and in sync, so that its
     update was averaged in (bounded by the robust aggregation; at most: a reducer that named it
-    in that round left its part out); an update out of sync is left out (sync.py). `after`:
-    only records whose round number is above it (counted_late)."""
+    in that round left its part out); an update out of sync is left out (sync.py), as is one
+    read only on probation (probation.py, `round_read_only`). `after`: only records whose round
+    number is above it (counted_late)."""
     return sum(
         1
         for r in log
         if "round_s" in r
         and int(r.get("round", 0)) > after
-        and any(ok and name in members for name, ok in r.get("round_members") or ())
+        and any(
+            ok and name in members and name not in (r.get("round_read_only") or ())
+            for name, ok in r.get("round_members") or ()
+        )
     )
 
 

@@ -36,7 +36,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,6 +62,7 @@ from atomtrain.peer.codecs import Blockwise8Bit, Uniform4BitQuantization, regist
 from atomtrain.peer.exact import START_FLOOR_S
 from atomtrain.peer.guarded import FORGED, MALFORMED, UNVERIFIED, GuardedAverager, finite
 from atomtrain.peer.layout import Piece
+from atomtrain.peer.probation import read_only
 from atomtrain.peer.sync import membership
 from atomtrain.peer.traffic import Traffic
 
@@ -93,6 +94,8 @@ class RoundResult:
     """Per member: holds the group's reference synchronized parameters (sync.py)."""
     peer_ids: list[str]
     """The members' peer IDs (base58), in group order."""
+    read_only: list[bool] = field(default_factory=list)
+    """Per member: read, its update left out of the average (probation.py)."""
 
     @property
     def self_in_sync(self) -> bool:
@@ -351,6 +354,7 @@ class ProbedAverager:
             ids.index(own_id),
             membership(peers),
             [i.to_base58() for i in ids],
+            read_only(peers, ids) if self.defence is not None else [False] * len(peers),
         )
 
     @contextmanager

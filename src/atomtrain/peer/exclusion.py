@@ -10,7 +10,9 @@ readings of it (`OPPOSED_COSINE`, within `OPPOSED_SPAN_ROUNDS`), or in one readi
 a round's reading (`LEAN`: "a little is enough"), or whose update followed this peer's little, far
 less than another member's did (`FOLLOW_RATIO`, `FOLLOW_COSINE`, over `FOLLOW_WITHIN` rounds), is
 left out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's. The
-averager (guarded.py) keeps the counts in a `LeftOut`, and feeds it no readings in a round
+averager (guarded.py) keeps the counts in a `LeftOut` (and tells each round's group the members
+it holds on probation, `on_probation`: where two others of the group do too, the round reads such
+a member without averaging its update in, probation.py), and feeds it no readings in a round
 where this peer brings its weight average rather than an update (its last, with train.ema:
 guarded.reads_members). Known limit: a peer still training that meets one in its last round
 reads that one's average as an update (finishers wait for every live peer to finish first,
@@ -245,6 +247,12 @@ class LeftOut:
 
     def __contains__(self, peer_id: Any) -> bool:
         return peer_id in self._left
+
+    @property
+    def on_probation(self) -> frozenset:
+        """Members let back in after they were left out for their updates, not read since:
+        declared to this round's group (probation.py), which reads them without averaging."""
+        return frozenset(self._probation - self._left.keys())
 
     def rounds_left(self, peer_id: Any) -> int:
         """The rounds after this one that `peer_id` is still left out of."""

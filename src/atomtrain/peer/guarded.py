@@ -75,6 +75,7 @@ from atomtrain.peer.exclusion import LeftOut
 from atomtrain.peer.forgers import FORGERS_READ_S, read_forgers
 from atomtrain.peer.gather import NO_KEY, check, seal, unseal
 from atomtrain.peer.layout import round_layout
+from atomtrain.peer.probation import declare, read_only
 from atomtrain.peer.redo import is_redo, redo, redoes
 from atomtrain.peer.robust import RobustRunner
 from atomtrain.peer.sync import lower_median, membership, quorum
@@ -647,6 +648,10 @@ class GuardedAverager(DecentralizedAverager):
             self._forgers = asyncio.ensure_future(self._ban_forgers())
         if self._warming is None or self._warming.done():
             self._warming = asyncio.ensure_future(self._warm([self.peer_id, *self._expected]))
+        if self._defence is not None:  # read, not averaged, where others declare it too
+            step._data_for_gather = declare(
+                step.data_for_gather, self._left_out.on_probation, self.serializer
+            )
         if self._gate.signing_key is not None:  # this step's copy, in this process
             step._data_for_gather = seal(
                 self._gate.signing_key,
@@ -1026,12 +1031,15 @@ class GuardedAverager(DecentralizedAverager):
             if valid:
                 defence = replace(defence, min_scale=lower_median(valid))
         reads = reads_members(users, ids, self.peer_id, self._trusted)
+        # members on probation at two others: read, their updates left out (probation.py)
+        only_read = {p for p, ro in zip(ids, read_only(users, ids), strict=True) if ro}
         return {
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),
             "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
             "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
-            "in_sync": dict(zip(ids, flags, strict=True)),
+            "in_sync": {p: ok and p not in only_read for p, ok in zip(ids, flags, strict=True)},
+            "read_only": only_read,
             "defence": defence,
             # metadata the leader forged may make an honest member look bad: no one is judged
             "on_reject": self._reject if self._trusted else lambda peer_id, why: None,

@@ -20,7 +20,9 @@ from what it measures in the parts themselves, never from what members claim abo
   about clip / N typical updates from where the others put it, whatever it sends or claims;
 - updates of members whose synchronized parameters differ from the group's reference (sketches
   in the round's metadata, sync.py) are left out: they were made from other parameters (a stale
-  model). Such a member is not banned: it downloads the swarm's state and takes part again.
+  model). Such a member is not banned: it downloads the swarm's state and takes part again. So
+  are those of a member read only (probation.py: on probation at two other members of the
+  group), whose parts are still read (`reads`), not averaged.
 
 A member whose part is dropped for non-finite values or a malformed part is *rejected*: named to
 the peer (and so in its log and status) and banned: the gates refuse it from then on, and its
@@ -58,7 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
@@ -109,6 +111,7 @@ class RobustReducer(TensorPartReducer):
         in_sync: Sequence[bool] | None = None,
         lie: float = 0.0,
         measure: bool = True,
+        reads: Sequence[bool] | None = None,
     ) -> None:
         self.part_kinds = list(part_kinds)
         self.measure = measure  # agreement (off where no one reads it: an audit's replay)
@@ -119,6 +122,8 @@ class RobustReducer(TensorPartReducer):
         self.dropped = list(banned)
         # who holds the group's majority synchronized parameters (None: no majority)
         self.in_sync = list(in_sync) if in_sync is not None else None
+        # senders read only (probation.py): out of the average (in_sync False), still read
+        self.reads = list(reads) if reads is not None else [False] * len(weights)
         self.on_reject = on_reject
         self.parts: dict[int, torch.Tensor] = {}
         # told, part by part, which senders' parts each average combined (audit.py)
@@ -178,8 +183,11 @@ class RobustReducer(TensorPartReducer):
         if kind == PROBE:
             return self._mean(sorted(self.parts.items()), shape)
         candidates: dict[int, torch.Tensor] = {}
+        read: dict[int, torch.Tensor] = {}  # read against ours, not averaged (probation.py)
         for i, x in sorted(self.parts.items()):  # in sender order: an audit's replay sums alike
             if kind == DELTA and self.in_sync is not None and not self.in_sync[i]:
+                if self.reads[i] and not self.dropped[i] and bool(torch.isfinite(x).all()):
+                    read[i] = x
                 continue  # an update made from other synchronized parameters than the group's
             if self.dropped[i]:
                 continue
@@ -213,7 +221,7 @@ class RobustReducer(TensorPartReducer):
         if not candidates:
             return torch.zeros(shape)
         if kind == DELTA and self.measure:  # after the drops: never against our dropped part
-            self._measure_agreement(candidates)
+            self._measure_agreement({**candidates, **read})
         typical = lower_median([float(x.norm()) for x in candidates.values()])
         if len(candidates) < 3 and math.isfinite(self.defence.clip):
             scale = self.defence.clip * max(typical, bound(self.defence.min_scale, numel, 1.0))
@@ -366,6 +374,7 @@ class RobustRunner(ExactAverageRunner):
         banned: set[PeerID],
         in_sync: dict[PeerID, bool] | None,
         defence: Defence,
+        read_only: Collection[PeerID] = (),
         on_reject: Callable[[PeerID, str], None],
         on_doubt: Callable[[PeerID, str], None] | None = None,
         on_agreement: Callable[[dict[PeerID, float], dict[PeerID, float]], None] | None = None,
@@ -415,6 +424,7 @@ class RobustRunner(ExactAverageRunner):
             self._in_sync,
             lie,
             measure=on_agreement is not None,  # no one reads it: not measured
+            reads=[p in read_only for p in senders],
         )
         self.tensor_part_reducer.on_doubt = lambda i, why: self._on_doubt(senders[i], why)
         register = self.tensor_part_container.register_processed_part

@@ -451,6 +451,12 @@ class PeerRuntime:
                 [str(g.get("name", ""))[:64] if isinstance(g, dict) else "", bool(ok)]
                 for g, ok in zip(result.peers, result.in_sync, strict=False)
             ]
+        if any(result.read_only):  # read, its update left out of the average (probation.py)
+            record["round_read_only"] = [
+                str(g.get("name", ""))[:64] if isinstance(g, dict) else ""
+                for g, ro in zip(result.peers, result.read_only, strict=False)
+                if ro
+            ]
         if not result.self_in_sync:
             self._shift(0.0)
             self.resync.start(result)
