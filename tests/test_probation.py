@@ -16,7 +16,7 @@ from atomtrain.peer.probation import (
     declared,
     read_only,
 )
-from atomtrain.peer.robust import RobustReducer
+from atomtrain.peer.robust import RobustReducer, RobustRunner
 
 
 def test_a_member_let_back_in_is_declared_on_probation_until_read():
@@ -38,19 +38,34 @@ def test_a_member_let_back_in_is_declared_on_probation_until_read():
     assert ledger.on_probation == frozenset()
 
 
-def test_a_member_is_read_only_where_two_others_declare_it():
-    """Two other members' word: one member alone (or its own) silences no one; malformed
-    declarations count for nothing, and no declaration beyond MOST_DECLARED peer IDs."""
+def test_a_member_is_read_only_where_most_of_its_group_declares_it():
+    """More than half of the group's members, two at least: one member alone (or its own
+    word) silences no one, nor do two colluders in a group of five (they would leave only their
+    own updates to average); a member out of sync is not read (its update was made from other
+    parameters); none is read only where fewer than two members would be left to average;
+    malformed declarations count for nothing, and none beyond MOST_DECLARED peer IDs."""
     ids = ["a", "b", "c", "x"]
 
     def users(*declarations: object) -> list[object]:
         return [{PROBATION_KEY: d} if d is not None else {} for d in declarations]
 
     assert DECLARERS == 2
-    assert read_only(users(["x"], ["x"], None, None), ids) == [False, False, False, True]
+    assert read_only(users(["x"], ["x"], ["x"], None), ids) == [False, False, False, True]
+    assert read_only(users(["x"], ["x"], None, None), ids) == [False] * 4  # 2 of 4: no majority
+    assert read_only(users(["x"], ["x"], None), ids[1:]) == [False, False, True]  # 2 of 3
     assert read_only(users(["x"], None, None, ["x"]), ids) == [False] * 4  # its own: no
     assert read_only(users(["x"], None, None, None), ids) == [False] * 4  # one: no
-    assert read_only(users(["x", "y"], ["x", "a"], ["a"], None), ids) == [True, False, False, True]
+    assert read_only(users(["x"], ["x"]), ["a", "x"]) == [False, False]  # a pair: one declarer
+    both = users(["x", "c"], ["x", "c"], ["x"], ["c", "x"])
+    assert read_only(both, ids) == [False, False, True, True]  # two left to average
+    trio = users(["b", "x"], ["a", "x"], ["a", "b"])  # each declared by both others
+    assert read_only(trio, ["a", "b", "x"]) == [False] * 3  # none left to average: none
+    # two colluders (m, n) declaring the three honest members of a group of five: no one
+    five = ["h1", "h2", "h3", "m", "n"]
+    assert read_only(users(None, None, None, five[:3], five[:3]), five) == [False] * 5
+    # out of sync: neither averaged nor read
+    out = [True, True, True, False]
+    assert read_only(users(["x"], ["x"], ["x"], None), ids, out) == [False] * 4
     malformed = [{PROBATION_KEY: "x"}, {PROBATION_KEY: [1, None]}, "junk", {PROBATION_KEY: ["x"]}]
     assert read_only(malformed, ids) == [False] * 4
     many = [f"p{i}" for i in range(MOST_DECLARED)] + ["x"]
@@ -105,3 +120,45 @@ def test_a_read_only_round_does_not_count_as_averaging_its_member_in():
     read = {**held, "round": 6, "round_read_only": ["a"]}
     assert counted_with([held, read], {"a"}) == 1
     assert counted_with([held, read], {"h0"}) == 2
+
+
+def test_the_runner_leaves_a_read_only_member_out_of_every_average_and_keeps_its_bounds():
+    """A robust runner told a member is read only: out of the reducer's average and of an
+    audit's replay of any span (the same for every member), read against the reducer's own,
+    while the bounds on what this member receives still count it in sync (three members: a
+    typical update's bounds, not a pair's), so a read-only member checks what it applies."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from hivemind.p2p import PeerID
+
+    from atomtrain.peer.bounds import DELTA
+    from atomtrain.peer.guarded import GuardedAverager
+    from atomtrain.peer.traffic import Traffic
+
+    def peer_id(name: str) -> PeerID:
+        return PeerID(b"\x00\x24\x08\x01\x12\x20" + hashlib.sha256(name.encode()).digest())
+
+    me, other, x = peer_id("me"), peer_id("other"), peer_id("x")
+
+    async def built(own: PeerID) -> RobustRunner:
+        return RobustRunner(
+            p2p=SimpleNamespace(peer_id=own), servicer_type=GuardedAverager, prefix="t",
+            group_id=b"g", tensors=[torch.arange(96.0)], ordered_peer_ids=[me, other, x],
+            peer_fractions=(1 / 3,) * 3, sender_timeout=1.0, reducer_timeout=2.0,
+            traffic=Traffic(), part_size_bytes=64, kinds=[DELTA], weights={},
+            reported_rms={me: 1.0, other: 1.0, x: 1.0}, banned=set(), in_sync=None,
+            defence=Defence(audit=False), on_reject=lambda p, why: None,
+            on_agreement=lambda cosines, leans: None, read_only={x},
+        )  # fmt: skip
+
+    async def looked(own: PeerID) -> tuple[RobustRunner, list]:  # (reducers need a loop)
+        runner = await built(own)
+        return runner, [runner.replay_reducer(i).in_sync for i in range(3)]
+
+    for own in (me, x):  # (the read-only member's own runner decides alike)
+        runner, replays = asyncio.run(looked(own))
+        assert runner._in_sync == [True, True, False]
+        assert runner.tensor_part_reducer.reads == [False, False, True]
+        assert replays == [[True, True, False]] * 3
+        assert runner._typical is not None and runner._counted

@@ -348,13 +348,14 @@ class ProbedAverager:
                 f"partial round: {len(bad)} of {len(seen)} probes unaveraged "
                 f"(a group member left mid-round or sent bad averages); discarded"
             )
+        flags = membership(peers)
         return RoundResult(
             len(peers),
             peers,
             ids.index(own_id),
-            membership(peers),
+            flags,
             [i.to_base58() for i in ids],
-            read_only(peers, ids) if self.defence is not None else [False] * len(peers),
+            read_only(peers, ids, flags) if self.defence is not None else [False] * len(peers),
         )
 
     @contextmanager

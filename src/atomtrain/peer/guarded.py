@@ -1031,14 +1031,14 @@ class GuardedAverager(DecentralizedAverager):
             if valid:
                 defence = replace(defence, min_scale=lower_median(valid))
         reads = reads_members(users, ids, self.peer_id, self._trusted)
-        # members on probation at two others: read, their updates left out (probation.py)
-        only_read = {p for p, ro in zip(ids, read_only(users, ids), strict=True) if ro}
+        # members on probation at most of the group: read, their updates left out (probation.py)
+        only_read = {p for p, ro in zip(ids, read_only(users, ids, flags), strict=True) if ro}
         return {
             "kinds": self._kinds,
             "weights": dict(zip(ids, weights, strict=True)),
             "reported_rms": dict(zip(ids, [_number(u.get("rms")) for u in users], strict=True)),
             "banned": {p for p in ids if p in self._gate.banned or self._excluded(p)},
-            "in_sync": {p: ok and p not in only_read for p, ok in zip(ids, flags, strict=True)},
+            "in_sync": dict(zip(ids, flags, strict=True)),
             "read_only": only_read,
             "defence": defence,
             # metadata the leader forged may make an honest member look bad: no one is judged

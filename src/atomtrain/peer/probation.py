@@ -9,23 +9,30 @@ attack's LN3-LN5: ALIE, the sign flip, the label flip, IPM and the sybil, 1-3 ro
 from round 3 on, most of them that round back).
 
 Now each member tells its group, in the round metadata it seals (gather.py), the members it
-holds on probation (`PROBATION_KEY`; at most `MOST_DECLARED`). A member that at least
-`DECLARERS` other members of the group declare is *read only* in that round: its update parts
+holds on probation (`PROBATION_KEY`; at most `MOST_DECLARED`). A member in sync that more than
+half of the group's members declare, two at least (`DECLARERS`), is *read only* in that round,
+where two members at least are left to average: its update parts
 weigh nothing in every span, as an out-of-sync member's do (robust.py, `reads`), and each
 reducer still reads them against its own (cosine and lean), so its probation ends there,
 passed or failed. The rule reads only the group's metadata, which every member and every
 auditor holds alike, so a replay of a span (audit.py) leaves the same parts out.
 
-Why two declarers: one member's word alone would let any member silence an honest one. In
-bench attack's swarms every honest member that meets a member let back in holds it on
-probation (those that still leave it out refuse its groups), and a group needs three in sync
-(sync.quorum), so it meets at least two of them.
+Why a majority of the group, two at least: one member's word alone would let any member
+silence an honest one, and a fixed two would let two members (a member's two certified
+identities) silence every honest member of a larger group, leaving only their own updates to
+average, unjudged (a fresh-context review's case: five members, two of them colluding). A
+majority of the group's members declares no honest member where the honest members are a
+majority. In bench attack's swarms every honest member that meets a member let back in holds
+it on probation (those that still leave it out refuse its groups): in a group of three or
+four with one attacker, its two or three honest members declare it. Each member's bounds on
+the averages it receives (robust.py, `reducer_bounds`) still count the read-only members as
+in sync, as before: a read-only member checks what it applies.
 
 What the rule does not settle:
-- A member with two certified identities in a group (certificates are per peer ID, one member
-  may hold several) can declare an honest member and keep its update out of that round. The
-  honest member still applies the round, in sync, and loses its own update of that round. The
-  rule cannot tell such a pair from two honest declarers by the metadata alone.
+- Members that are a majority of a group (a member with enough certified identities there:
+  certificates are per peer ID, one member may hold several) can declare an honest member and
+  keep its update out of that round. The honest member still applies the round, in sync, and
+  loses its own update of that round. Such a majority outvotes the robust average anyway.
 - The read-only member still counts toward the quorum (it holds the state: sync.quorum is about
   who vouches for a state, not whose update it holds) and is named in the round's record
   (`round_read_only`), so that bench attack counts its update as left out.
@@ -58,16 +65,27 @@ def declared(user: Any) -> set[str]:
     return {x for x in ids[:MOST_DECLARED] if isinstance(x, str) and 0 < len(x) <= 128}
 
 
-def read_only(users: Sequence[Any], peer_ids: Sequence[Any]) -> list[bool]:
-    """Per member, in group order: read only this round (at least DECLARERS others declare it
-    on probation). `users`: what each member told the group, in the same order."""
+def read_only(
+    users: Sequence[Any], peer_ids: Sequence[Any], in_sync: Sequence[bool] | None = None
+) -> list[bool]:
+    """Per member, in group order: read only this round (declared on probation by more than
+    half of the group's members, DECLARERS at least, and in sync: an update made from other
+    parameters is neither averaged nor read), where two members at least are left to average;
+    else none. `users`: what each member told the group, in the same order; `in_sync`: each
+    member's flag (sync.membership; None: all)."""
     ids = [_base58(p) for p in peer_ids]
     counts = dict.fromkeys(ids, 0)
     for own, user in zip(ids, users, strict=False):
         for named in declared(user):
             if named in counts and named != own:
                 counts[named] += 1
-    return [counts[p] >= DECLARERS for p in ids]
+    synced = list(in_sync) if in_sync is not None else [True] * len(ids)
+    marked = [
+        ok and counts[p] >= DECLARERS and 2 * counts[p] > len(ids)
+        for p, ok in zip(ids, synced, strict=True)
+    ]
+    averaged = sum(ok and not ro for ok, ro in zip(synced, marked, strict=True))
+    return marked if averaged >= 2 else [False] * len(ids)
 
 
 def declare(data_for_gather: bytes, probation: Iterable[Any], serializer: Any) -> bytes:

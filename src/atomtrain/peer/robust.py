@@ -186,8 +186,11 @@ class RobustReducer(TensorPartReducer):
         read: dict[int, torch.Tensor] = {}  # read against ours, not averaged (probation.py)
         for i, x in sorted(self.parts.items()):  # in sender order: an audit's replay sums alike
             if kind == DELTA and self.in_sync is not None and not self.in_sync[i]:
-                if self.reads[i] and not self.dropped[i] and bool(torch.isfinite(x).all()):
-                    read[i] = x
+                if self.reads[i] and not self.dropped[i]:  # read only: judged, not averaged
+                    if bool(torch.isfinite(x).all()):
+                        read[i] = x
+                    else:
+                        self._reject(i, "non-finite values")
                 continue  # an update made from other synchronized parameters than the group's
             if self.dropped[i]:
                 continue
@@ -403,7 +406,13 @@ class RobustRunner(ExactAverageRunner):
         self._counted = self.peer_id in counted
         self._own_sender = senders.index(self.peer_id)
         self._weights = [weights.get(p, MIN_WEIGHT) for p in senders]
-        self._in_sync = [in_sync[p] for p in senders] if in_sync is not None else None
+        # out of every span's average: out of sync, or read only (probation.py; the bounds
+        # above still count a read-only member in sync: it checks what it applies)
+        self._in_sync = (
+            [(in_sync or {}).get(p, True) and p not in read_only for p in senders]
+            if in_sync is not None or read_only
+            else None
+        )
         self._kinds_by_peer = [
             [kinds[info.key] for _, info in parts]
             for parts in self.tensor_part_container._input_parts_by_peer
