@@ -1,6 +1,7 @@
-"""A member on probation at two others of its group is read, not averaged in (probation.py)."""
+"""A member most of its group holds on probation is read, not averaged in (probation.py)."""
 
 import asyncio
+import math
 
 import torch
 from hivemind.utils.serializer import MSGPackSerializer
@@ -111,6 +112,19 @@ def test_a_read_only_member_is_read_against_the_reducers_update_not_averaged():
     assert read.cosines()[3] < -0.5 and set(read.cosines()) == {1, 2, 3}
     assert 3 in read.leans()
     assert set(unread.cosines()) == {1, 2}  # out of sync: not read, as before
+
+    async def poisoned() -> tuple[list, torch.Tensor]:  # a read-only member's NaN: rejected
+        named: list = []
+        reducer = RobustReducer(
+            [torch.Size([4000])], ["delta"], [1.0] * 4, 0, Defence(), [False] * 4,
+            lambda i, why: named.append((i, why)), [True, True, True, False],
+            reads=[False, False, False, True],
+        )  # fmt: skip
+        reducer.parts = {0: honest[0], 1: honest[1], 2: honest[2], 3: flipped * math.nan}
+        return named, reducer._combine()
+
+    named, average = asyncio.run(poisoned())
+    assert named == [(3, "non-finite values")] and torch.equal(average, read.average)
 
 
 def test_a_read_only_round_does_not_count_as_averaging_its_member_in():

@@ -11,8 +11,8 @@ a round's reading (`LEAN`: "a little is enough"), or whose update followed this 
 less than another member's did (`FOLLOW_RATIO`, `FOLLOW_COSINE`, over `FOLLOW_WITHIN` rounds), is
 left out `OPPOSED_EXCLUSION_ROUNDS` the first time, an attack's sign rather than a failure's. The
 averager (guarded.py) keeps the counts in a `LeftOut` (and tells each round's group the members
-it holds on probation, `on_probation`: where two others of the group do too, the round reads such
-a member without averaging its update in, probation.py), and feeds it no readings in a round
+it holds on probation, `on_probation`: where most of the group does, the round reads such a
+member without averaging its update in, probation.py), and feeds it no readings in a round
 where this peer brings its weight average rather than an update (its last, with train.ema:
 guarded.reads_members). Known limit: a peer still training that meets one in its last round
 reads that one's average as an update (finishers wait for every live peer to finish first,

@@ -15,16 +15,20 @@ where two members at least are left to average: its update parts
 weigh nothing in every span, as an out-of-sync member's do (robust.py, `reads`), and each
 reducer still reads them against its own (cosine and lean), so its probation ends there,
 passed or failed. The rule reads only the group's metadata, which every member and every
-auditor holds alike, so a replay of a span (audit.py) leaves the same parts out.
+auditor of the same protocol version holds alike (protocol.py: 4), so a replay of a span
+(audit.py) leaves the same parts out.
 
 Why a majority of the group, two at least: one member's word alone would let any member
 silence an honest one, and a fixed two would let two members (a member's two certified
 identities) silence every honest member of a larger group, leaving only their own updates to
-average, unjudged (a fresh-context review's case: five members, two of them colluding). A
-majority of the group's members declares no honest member where the honest members are a
-majority. In bench attack's swarms every honest member that meets a member let back in holds
-it on probation (those that still leave it out refuse its groups): in a group of three or
-four with one attacker, its two or three honest members declare it. Each member's bounds on
+average, unjudged (a fresh-context review's case: five members, two of them colluding).
+Dishonest members alone, a minority, make no one read only. In bench attack's swarms (four
+peers, one attacker) a member let back in meets only those that let it back in (those that
+still leave it out refuse its groups), most of them left it out at about the same round, and
+a group needs three in sync (sync.quorum): in a group of three, both honest members declare it
+where both left it out; in a group of four, three must. A peer that never left it out declares
+nothing, and where only two of four members declare it, it is averaged in as before. Each
+member's bounds on
 the averages it receives (robust.py, `reducer_bounds`) still count the read-only members as
 in sync, as before: a read-only member checks what it applies.
 
@@ -33,6 +37,11 @@ What the rule does not settle:
   certificates are per peer ID, one member may hold several) can declare an honest member and
   keep its update out of that round. The honest member still applies the round, in sync, and
   loses its own update of that round. Such a majority outvotes the robust average anyway.
+- An honest member that an honest peer left out wrongly, and holds on probation, can be tipped
+  read only by an attacker's declaration: in a group of three, the round then averages the
+  attacker's clipped part and one honest part as a pair, where it faced the median of three.
+  It needs an honest peer's wrong exclusion first (none in the bench attack runs since LN3:
+  `honest_peers_left_out`).
 - The read-only member still counts toward the quorum (it holds the state: sync.quorum is about
   who vouches for a state, not whose update it holds) and is named in the round's record
   (`round_read_only`), so that bench attack counts its update as left out.
@@ -46,7 +55,8 @@ from typing import Any
 PROBATION_KEY = "probation"
 """The round metadata's field: the base58 peer IDs this member holds on probation."""
 DECLARERS = 2
-"""Other members that must declare a member on probation for it to be read only."""
+"""The fewest other members whose declaration makes a member read only (besides more than half
+of the group's members: in a pair, one declarer makes no majority of two)."""
 MOST_DECLARED = 16
 """No member's declaration counts beyond this many peer IDs (metadata kept small)."""
 

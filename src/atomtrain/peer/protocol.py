@@ -7,9 +7,12 @@ live peer of another tag says so once instead of waiting for it in silence."""
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Raised whenever a change makes an older peer misread a newer one's rounds (3: members declare
-their start lag, and one that declares none gets the cap of the group's, exact.start_timeouts)."""
+their start lag, and one that declares none gets the cap of the group's, exact.start_timeouts;
+4: members declare whom they hold on probation, and a member most of the group declares is left
+out of every span's average, probation.py: an older auditor would replay it averaged in, and ban
+the honest reducer)."""
 
 
 def protocol_tag(defend: bool, audit: bool) -> str:

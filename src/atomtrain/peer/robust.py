@@ -21,8 +21,8 @@ from what it measures in the parts themselves, never from what members claim abo
 - updates of members whose synchronized parameters differ from the group's reference (sketches
   in the round's metadata, sync.py) are left out: they were made from other parameters (a stale
   model). Such a member is not banned: it downloads the swarm's state and takes part again. So
-  are those of a member read only (probation.py: on probation at two other members of the
-  group), whose parts are still read (`reads`), not averaged.
+  are those of a member read only (probation.py: declared on probation by most of the group),
+  whose parts are still read (`reads`), not averaged.
 
 A member whose part is dropped for non-finite values or a malformed part is *rejected*: named to
 the peer (and so in its log and status) and banned: the gates refuse it from then on, and its
