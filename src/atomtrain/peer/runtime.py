@@ -448,14 +448,12 @@ class PeerRuntime:
         round_s = time.perf_counter() - self._round_started
         if result.in_sync:  # kept, whatever comes of the round: whom a failed round held
             record["round_members"] = [
-                [str(g.get("name", ""))[:64] if isinstance(g, dict) else "", bool(ok)]
+                [_member_name(g), bool(ok)]
                 for g, ok in zip(result.peers, result.in_sync, strict=False)
             ]
         if any(result.read_only):  # read, its update left out of the average (probation.py)
             record["round_read_only"] = [
-                str(g.get("name", ""))[:64] if isinstance(g, dict) else ""
-                for g, ro in zip(result.peers, result.read_only, strict=False)
-                if ro
+                _member_name(g) for g, ro in zip(result.peers, result.read_only, strict=False) if ro
             ]
         if not result.self_in_sync:
             self._shift(0.0)
@@ -526,3 +524,8 @@ class PeerRuntime:
             _reap(self.dht)
             self.dht = None
         # The watchdog stays: once this process exits it kills whatever helper is left (p2pd).
+
+
+def _member_name(metadata: Any) -> str:
+    """The name a member told its group (the round's record; bench attack matches on it)."""
+    return str(metadata.get("name", ""))[:64] if isinstance(metadata, dict) else ""
